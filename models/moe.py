@@ -1,0 +1,109 @@
+"""The MoE feed-forward block: softmax router, top-k (live or replayed), and two expert kernels.
+
+Replay forces the *choice* of experts only; the gate weights are always the live router
+probabilities gathered at the chosen experts, so gradients still reach the router.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import MoeConfig
+
+_init = nnx.initializers.normal(stddev=0.02)
+
+
+def select_experts(probs, top_k, norm_topk_prob, replay_ids=None, replay_mask=None):
+    """Choose experts and gate weights.
+
+    probs [N, E] float32 router softmax; replay_ids [N, K] int (any integer dtype) or None;
+    replay_mask [N] bool (True: use replay_ids). Returns ``(ids [N, K] int32, weights [N, K] f32,
+    live_ids [N, K] int32)``. Weights are gathered from ``probs`` at the chosen ids on both paths,
+    so replaying the live ids reproduces the live forward bit for bit.
+    """
+    _, live_ids = jax.lax.top_k(probs, top_k)
+    live_ids = live_ids.astype(jnp.int32)
+    ids = live_ids
+    if replay_ids is not None:
+        ids = jnp.where(replay_mask[:, None], replay_ids.astype(jnp.int32), live_ids)
+    weights = jnp.take_along_axis(probs, ids, axis=-1)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return ids, weights, live_ids
+
+
+def load_balancing_loss(probs, ids, token_mask):
+    """Switch-style auxiliary loss ``E * sum_e f_e * P_e`` over tokens where token_mask is True.
+
+    probs [N, E] f32, ids [N, K] int32, token_mask [N] bool. f_e is the fraction of (token, slot)
+    assignments to expert e, P_e the mean router probability of e.
+    """
+    num_experts = probs.shape[-1]
+    m = token_mask.astype(jnp.float32)
+    count = jnp.maximum(jnp.sum(m), 1.0)
+    assign = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.float32), axis=1)  # [N, E]
+    f = jnp.sum(assign * m[:, None], axis=0) / (count * ids.shape[-1])
+    p = jnp.sum(probs * m[:, None], axis=0) / count
+    return num_experts * jnp.sum(f * p)
+
+
+def experts_dense(x, ids, weights, gate, up, down):
+    """Reference kernel: every expert on every token, combined with one-hot gate weights.
+
+    x [N, D], ids/weights [N, K], gate/up [E, D, I], down [E, I, D] -> [N, D]. E times the work.
+    """
+    h = jax.nn.silu(jnp.einsum("nd,edi->nei", x, gate)) * jnp.einsum("nd,edi->nei", x, up)
+    out = jnp.einsum("nei,eid->ned", h, down)
+    combine = jnp.sum(jax.nn.one_hot(ids, gate.shape[0], dtype=weights.dtype) * weights[..., None], 1)
+    return jnp.einsum("ne,ned->nd", combine.astype(x.dtype), out)
+
+
+def experts_ragged(x, ids, weights, gate, up, down):
+    """Dropless kernel: sort (token, slot) pairs by expert and run grouped matmuls.
+
+    Same contract as :func:`experts_dense`. Uses ``jax.lax.ragged_dot`` with ``bincount`` group sizes.
+    """
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    xs = x[order // k]  # [N*K, D]
+    sizes = jnp.bincount(flat, length=gate.shape[0]).astype(jnp.int32)
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
+    out = jax.lax.ragged_dot(h, down, sizes)  # [N*K, D], expert-sorted
+    out = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
+    return jnp.sum(out * weights[..., None].astype(out.dtype), axis=1)
+
+
+class MoeBlock(nnx.Module):
+    """Router + experts. Parameters: router [D, E], gate/up [E, D, I], down [E, I, D]."""
+
+    def __init__(self, cfg: MoeConfig, *, rngs: nnx.Rngs):
+        d, e, i, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.param_dtype
+        self.cfg = cfg
+        self.router = nnx.Param(_init(rngs.params(), (d, e), pd))
+        self.gate_proj = nnx.Param(_init(rngs.params(), (e, d, i), pd))
+        self.up_proj = nnx.Param(_init(rngs.params(), (e, d, i), pd))
+        self.down_proj = nnx.Param(_init(rngs.params(), (e, i, d), pd))
+
+    def __call__(self, x, replay_ids=None, replay_mask=None, token_mask=None):
+        """x [B, T, D]; replay_ids [B, T, K] int or None; replay_mask, token_mask [B, T] bool.
+
+        Returns ``(y [B, T, D], ids [B, T, K] int32, live_ids [B, T, K] int32, aux_loss scalar)``.
+        """
+        cfg, dt = self.cfg, self.cfg.dtype
+        b, t, d = x.shape
+        xf = x.reshape(b * t, d)
+        logits = xf @ self.router[...].astype(dt)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        flat = lambda a: None if a is None else a.reshape(b * t, *a.shape[2:])
+        ids, weights, live = select_experts(probs, cfg.top_k, cfg.norm_topk_prob,
+                                            flat(replay_ids), flat(replay_mask))
+        kernel = experts_ragged if cfg.moe_impl == "ragged" else experts_dense
+        y = kernel(xf, ids, weights.astype(dt), self.gate_proj[...].astype(dt),
+                   self.up_proj[...].astype(dt), self.down_proj[...].astype(dt))
+        mask = jnp.ones((b * t,), bool) if token_mask is None else token_mask.reshape(b * t)
+        aux = load_balancing_loss(probs, ids, mask)
+        k = cfg.top_k
+        return y.reshape(b, t, d), ids.reshape(b, t, k), live.reshape(b, t, k), aux
