@@ -1,0 +1,212 @@
+"""Behaviour of the MoE transformer: shapes, replay semantics, kernels, cache, validation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import KVCache, MoeConfig, MoeTransformer, Replay, validate_replay
+
+B, T = 2, 12
+
+
+def _fwd(model):
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def fwd(state, tokens, positions, replay=None, segment_ids=None, token_mask=None):
+        return nnx.merge(graphdef, state)(tokens, positions, replay, segment_ids=segment_ids,
+                                          token_mask=token_mask)
+
+    return lambda *a, **k: fwd(state, *a, **k)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = MoeConfig.tiny()
+    model = MoeTransformer(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (B, T), 0, cfg.vocab_size, dtype=jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    fwd = _fwd(model)
+    return cfg, model, fwd, tokens, positions, fwd(tokens, positions)
+
+
+def test_shapes_and_dtypes(setup):
+    cfg, model, _, _, _, out = setup
+    L, K = cfg.num_moe_layers, cfg.top_k
+    assert model.moe_layer_ids == cfg.moe_layer_ids == (1, 2)
+    assert out.logits.shape == (B, T, cfg.vocab_size) and out.logits.dtype == jnp.float32
+    assert out.routes.shape == out.live_routes.shape == (B, T, L, K)
+    assert out.routes.dtype == out.live_routes.dtype == jnp.int32
+    assert out.aux_loss.shape == () and out.aux_loss.dtype == jnp.float32
+    routes = np.asarray(out.routes)
+    assert routes.min() >= 0 and routes.max() < cfg.num_experts
+    assert (np.sort(routes, -1)[..., 1:] != np.sort(routes, -1)[..., :-1]).all()  # distinct per row
+    np.testing.assert_array_equal(out.routes, out.live_routes)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint8, jnp.int16])
+def test_replay_own_routes_is_bit_identical(setup, dtype):
+    _, _, fwd, tokens, positions, out = setup
+    rep = fwd(tokens, positions, Replay(out.routes.astype(dtype), jnp.ones((B, T), bool)))
+    np.testing.assert_array_equal(rep.logits, out.logits)
+    np.testing.assert_array_equal(rep.routes, out.routes)
+    np.testing.assert_array_equal(rep.aux_loss, out.aux_loss)
+
+
+def _other_routes(routes, num_experts):
+    """Distinct ids that differ from the live ones in every (token, layer): shift by K mod E."""
+    k = routes.shape[-1]
+    return (np.asarray(routes) + k) % num_experts
+
+
+def test_replay_of_different_routes_uses_exactly_them(setup):
+    cfg, _, fwd, tokens, positions, out = setup
+    forced = _other_routes(out.routes, cfg.num_experts).astype(np.uint8)
+    rep = fwd(tokens, positions, Replay(jnp.asarray(forced), jnp.ones((B, T), bool)))
+    np.testing.assert_array_equal(rep.routes, forced)
+    # the router's own choice is still reported, and unchanged at the first MoE layer's inputs
+    np.testing.assert_array_equal(rep.live_routes[:, :, 0], out.live_routes[:, :, 0])
+    assert not np.allclose(rep.logits, out.logits, atol=1e-4)
+
+
+def test_mask_false_rows_route_live(setup):
+    cfg, _, fwd, tokens, positions, out = setup
+    forced = _other_routes(out.routes, cfg.num_experts)
+    mask = np.zeros((B, T), bool)
+    mask[:, ::2] = True  # replay even positions only
+    rep = fwd(tokens, positions, Replay(jnp.asarray(forced), jnp.asarray(mask)))
+    routes, live = np.asarray(rep.routes), np.asarray(rep.live_routes)
+    np.testing.assert_array_equal(routes[mask], forced[mask])
+    np.testing.assert_array_equal(routes[~mask], live[~mask])
+    # an all-False mask is exactly the live forward, whatever the (ignored) route contents
+    garbage = np.zeros_like(forced)
+    rep0 = fwd(tokens, positions, Replay(jnp.asarray(garbage), jnp.zeros((B, T), bool)))
+    np.testing.assert_array_equal(rep0.logits, out.logits)
+
+
+def test_router_gradient_under_replay(setup):
+    cfg, model, _, tokens, positions, out = setup
+    graphdef, state = nnx.split(model)
+    forced = jnp.asarray(_other_routes(out.routes, cfg.num_experts))
+    replay = Replay(forced, jnp.ones((B, T), bool))
+
+    @jax.jit
+    def loss(state):
+        o = nnx.merge(graphdef, state)(tokens, positions, replay)
+        return jnp.mean(jax.nn.log_softmax(o.logits)[..., 0])
+
+    grads = jax.grad(loss)(state)
+    for layer_id in cfg.moe_layer_ids:
+        g = grads["layers"][layer_id]["mlp"]["router"][...]
+        assert float(jnp.abs(g).max()) > 0.0, f"router of layer {layer_id} got no gradient"
+
+
+def test_dense_and_ragged_kernels_agree(setup):
+    cfg, model, _, tokens, positions, out = setup
+    dense = MoeTransformer(cfg.replace(moe_impl="dense"), rngs=nnx.Rngs(0))
+    out_d = _fwd(dense)(tokens, positions)
+    np.testing.assert_array_equal(out_d.routes, out.routes)
+    np.testing.assert_allclose(out_d.logits, out.logits, atol=1e-5, rtol=0)
+    forced = jnp.asarray(_other_routes(out.routes, cfg.num_experts))
+    rep = Replay(forced, jnp.ones((B, T), bool))
+    np.testing.assert_allclose(_fwd(dense)(tokens, positions, rep).logits,
+                               _fwd(model)(tokens, positions, rep).logits, atol=1e-5, rtol=0)
+
+
+def test_aux_loss_ignores_masked_positions(setup):
+    cfg, _, fwd, tokens, positions, _ = setup
+    token_mask = np.ones((B, T), bool)
+    token_mask[:, 8:] = False  # right padding
+    other = np.asarray(tokens).copy()
+    other[:, 8:] = (other[:, 8:] + 7) % cfg.vocab_size
+    a = fwd(tokens, positions, token_mask=jnp.asarray(token_mask))
+    b = fwd(jnp.asarray(other), positions, token_mask=jnp.asarray(token_mask))
+    np.testing.assert_allclose(a.aux_loss, b.aux_loss, rtol=1e-6)
+    full = fwd(jnp.asarray(other), positions)
+    assert abs(float(full.aux_loss) - float(b.aux_loss)) > 1e-7
+
+
+def test_segments_do_not_attend_to_each_other(setup):
+    _, _, fwd, tokens, positions, out = setup
+    # pack row 0's first 5 tokens and row 1's first 7 tokens into one row with restarting positions
+    packed = jnp.concatenate([tokens[0, :5], tokens[1, :7]])[None]
+    pos = jnp.concatenate([jnp.arange(5), jnp.arange(7)]).astype(jnp.int32)[None]
+    seg = jnp.asarray([[1] * 5 + [2] * 7], jnp.int32)
+    got = fwd(packed, pos, segment_ids=seg)
+    np.testing.assert_allclose(got.logits[0, :5], out.logits[0, :5], atol=1e-5)
+    np.testing.assert_allclose(got.logits[0, 5:], out.logits[1, :7], atol=1e-5)
+    np.testing.assert_array_equal(got.routes[0, 5:], out.routes[1, :7])
+
+
+def test_kv_cache_incremental_equals_full_forward(setup):
+    cfg, model, _, tokens, positions, out = setup
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, tok, pos, cache):
+        return nnx.merge(graphdef, state)(tok, pos, cache=cache)
+
+    cache = KVCache.init(cfg, B, 16)
+    first = step(state, tokens[:, :7], positions[:, :7], cache)
+    rest = [first]
+    cache = first.cache
+    for t in range(7, T):
+        o = step(state, tokens[:, t:t + 1], positions[:, t:t + 1], cache)
+        cache = o.cache
+        rest.append(o)
+    logits = jnp.concatenate([o.logits for o in rest], axis=1)
+    routes = jnp.concatenate([o.routes for o in rest], axis=1)
+    np.testing.assert_allclose(logits, out.logits, atol=1e-5)
+    np.testing.assert_array_equal(routes, out.routes)
+
+
+class TestValidateReplay:
+    cfg = MoeConfig.tiny()
+
+    def _replay(self, routes=None, mask=None):
+        routes = np.tile(np.arange(2, dtype=np.uint8), (B, T, 2, 1)) if routes is None else routes
+        mask = np.ones((B, T), bool) if mask is None else mask
+        return Replay(routes, mask)
+
+    def test_valid_passes(self):
+        validate_replay(self._replay(), self.cfg, (B, T))
+
+    def test_id_out_of_range(self):
+        r = np.tile(np.arange(2, dtype=np.int32), (B, T, 2, 1))
+        r[1, 3, 0, 1] = 8
+        with pytest.raises(ValueError, match=r"expert id 8: expected ids in \[0, num_experts=8\)"):
+            validate_replay(self._replay(r), self.cfg, (B, T))
+        r[1, 3, 0, 1] = -1
+        with pytest.raises(ValueError, match="expert id -1"):
+            validate_replay(self._replay(r), self.cfg, (B, T))
+
+    def test_duplicates(self):
+        r = np.tile(np.arange(2, dtype=np.uint8), (B, T, 2, 1))
+        r[0, 5, 1] = [3, 3]
+        with pytest.raises(ValueError, match=r"duplicate expert ids \[3, 3\] at \(batch 0, token 5, moe layer 1\)"):
+            validate_replay(self._replay(r), self.cfg, (B, T))
+        mask = np.ones((B, T), bool)
+        mask[0, 5] = False  # masked-out rows are ignored
+        validate_replay(self._replay(r, mask), self.cfg, (B, T))
+
+    def test_shapes_and_dtypes(self):
+        with pytest.raises(ValueError, match=r"replay.routes shape=\(2, 12, 3, 2\): expected \[B, T, L, K\] = \(2, 12, 2, 2\)"):
+            validate_replay(self._replay(np.zeros((B, T, 3, 2), np.uint8)), self.cfg, (B, T))
+        with pytest.raises(ValueError, match="replay.routes dtype=float32: expected an integer dtype"):
+            validate_replay(self._replay(np.zeros((B, T, 2, 2), np.float32)), self.cfg, (B, T))
+        with pytest.raises(ValueError, match="replay.mask dtype=int64: expected bool"):
+            validate_replay(self._replay(mask=np.ones((B, T), np.int64)), self.cfg, (B, T))
+        with pytest.raises(ValueError, match=r"replay.mask shape=\(2, 11\)"):
+            validate_replay(self._replay(mask=np.ones((B, T - 1), bool)), self.cfg, (B, T))
+
+
+def test_config_validation_and_presets():
+    with pytest.raises(ValueError, match="MoeConfig.top_k=9: expected in \\[1, num_experts=8\\]"):
+        MoeConfig.tiny(top_k=9)
+    q = MoeConfig.qwen3_30b_a3b()
+    assert (q.num_moe_layers, q.num_experts, q.top_k) == (48, 128, 8)
+    assert 90e6 < MoeConfig.small_100m().param_count() < 115e6
+    with pytest.raises(ValueError, match="preset='nope'"):
+        MoeConfig.preset("nope")
