@@ -1,0 +1,202 @@
+"""Functional, token-aligned trace accumulators: per-turn route chunks in, one per-token array out.
+
+Both classes are immutable JAX pytrees (their chunks are the leaves), so ``jax.tree_util`` works on
+them and a trace passes through ``jax.jit``. Appending keeps the chunks in a tuple: a turn costs
+O(its rows), and :meth:`finalize` concatenates once (a naive re-concatenation per turn is O(N^2)).
+Validation is on shapes and dtypes only, so ``append``/``record`` also run on tracers; the §4 check
+of :meth:`RoutedExpertTrace.finalize` reads values and runs on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+_MISSING = "missing routed-expert row for loss-active target at token"
+
+
+def _int(name: str, value: Any, minimum: int = 0) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name}={value!r}: expected an int (not a bool)")
+    if value < minimum:
+        raise ValueError(f"{name}={value}: expected an int >= {minimum}")
+    return int(value)
+
+
+def _layer_ids(name: str, ids: Any) -> tuple[int, ...]:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
+        raise ValueError(f"{name}={ids!r}: expected a sequence of ints")
+    return tuple(_int(f"{name}[{i}]", v) for i, v in enumerate(ids))
+
+
+def _kind(dtype: np.dtype) -> str:
+    """'bool' or 'integer'; anything else cannot be widened safely and is refused by the caller."""
+    return "bool" if dtype == np.bool_ else "integer"
+
+
+@struct.dataclass
+class TokenMetadataTrace:
+    """Immutable accumulator of chunks ``[rows, *trailing]`` whose first axis is tokens.
+
+    The first chunk fixes the schema (trailing shape and dtype kind: integer or bool). Integer
+    chunks may differ in dtype: the trace widens (uint8 -> int16 -> int32, by
+    ``np.promote_types``) instead of failing. int8 (cannot hold ids >= 128 of a uint8 sender),
+    uint64 (promotes to float with signed ids) and floats are refused.
+    """
+
+    chunks: tuple = ()
+
+    @property
+    def num_rows(self) -> int:
+        return sum(int(c.shape[0]) for c in self.chunks)
+
+    @property
+    def trailing_shape(self) -> tuple[int, ...] | None:
+        return tuple(self.chunks[0].shape[1:]) if self.chunks else None
+
+    @property
+    def dtype(self) -> np.dtype | None:
+        """The widened dtype of all chunks (None while empty)."""
+        if not self.chunks:
+            return None
+        return functools.reduce(np.promote_types, (np.dtype(c.dtype) for c in self.chunks))
+
+    def append(self, rows: Any, expected_rows: int, *, name: str = "rows") -> "TokenMetadataTrace":
+        """A new trace with ``rows [expected_rows, *trailing]`` appended; ``self`` is unchanged.
+
+        NumPy input is copied and frozen (read-only), so later edits by the caller cannot reach
+        the trace; jax arrays are immutable already. ``name`` labels the errors.
+        """
+        expected_rows = _int("expected_rows", expected_rows)
+        if not isinstance(rows, (np.ndarray, jax.Array)):
+            raise ValueError(f"{name}: got {type(rows).__name__}, expected a numpy or jax array "
+                             f"[rows, ...]")
+        if rows.ndim == 0:
+            raise ValueError(f"{name} is 0-d (shape ()): expected an array whose first axis is tokens")
+        dtype = np.dtype(rows.dtype)
+        if dtype != np.bool_ and not np.issubdtype(dtype, np.integer):
+            raise ValueError(f"{name} dtype={dtype}: expected an integer or bool dtype (floats "
+                             f"are not token metadata ids)")
+        if dtype in (np.int8, np.uint64):
+            raise ValueError(f"{name} dtype={dtype}: expected uint8/int16/int32 (int8 cannot hold "
+                             f"ids >= 128 and uint64 does not widen with signed ids)")
+        if rows.shape[0] != expected_rows:
+            raise ValueError(f"{name} has {rows.shape[0]} rows: expected {expected_rows}")
+        if self.chunks:
+            want = self.trailing_shape
+            if tuple(rows.shape[1:]) != want:
+                raise ValueError(f"{name} trailing shape={tuple(rows.shape[1:])}: expected {want} "
+                                 f"(fixed by the first chunk of this trace)")
+            have = _kind(np.dtype(self.chunks[0].dtype))
+            if _kind(dtype) != have:
+                article = "a bool" if have == "bool" else "an integer"
+                raise ValueError(f"{name} dtype={dtype}: expected {article} dtype (fixed by the "
+                                 f"first chunk of this trace)")
+        if isinstance(rows, np.ndarray):
+            rows = np.array(rows, copy=True)
+            rows.flags.writeable = False
+        return self.replace(chunks=self.chunks + (rows,))
+
+    def finalize(self) -> np.ndarray | jax.Array:
+        """All rows ``[num_rows, *trailing]`` in the widened dtype, concatenated once.
+
+        NumPy if every chunk is NumPy, else a jax array (also under ``jax.jit``).
+        """
+        if not self.chunks:
+            raise ValueError("finalize: the trace has no chunks, so its trailing shape and dtype "
+                             "are unknown; append at least one (possibly 0-row) chunk")
+        if all(isinstance(c, np.ndarray) for c in self.chunks):
+            return np.concatenate(self.chunks, axis=0, dtype=self.dtype)
+        return jnp.concatenate(self.chunks, axis=0, dtype=self.dtype)
+
+
+@struct.dataclass
+class RoutedExpertTrace:
+    """Routes of one trajectory, recorded call by call (DESIGN.md §3–§5).
+
+    ``moe_layer_ids``: global ids of the L MoE layers, or None until the first ``record`` that
+    names them. Row i of the trace is the route row of absolute token i.
+    """
+
+    moe_layer_ids: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
+    rows: TokenMetadataTrace = TokenMetadataTrace()
+
+    def __post_init__(self):
+        # Static metadata must be a hashable tuple for jit; this also runs on unflatten, so it
+        # touches no leaves.
+        if self.moe_layer_ids is not None:
+            object.__setattr__(self, "moe_layer_ids", _layer_ids("moe_layer_ids", self.moe_layer_ids))
+
+    @property
+    def prompt_start(self) -> int:
+        """Rows captured so far: the ``routed_experts_prompt_start`` of the next engine call."""
+        return self.rows.num_rows
+
+    def record(self, *, prompt_len: int, generated_len: int, routes: Any,
+               layers: Sequence[int] | None = None) -> "RoutedExpertTrace":
+        """A new trace with one engine call's rows appended; ``self`` is unchanged.
+
+        prompt_len P >= prompt_start s, generated_len G >= 1, routes ``[P - s + G - 1, L, K]``
+        (any integer dtype; the trace widens). ``layers``: the payload's MoE layer ids; they must
+        equal this trace's ``moe_layer_ids`` when both are known.
+        """
+        s = self.prompt_start
+        p = _int("prompt_len", prompt_len)
+        g = _int("generated_len", generated_len, 1)
+        if p < s:
+            raise ValueError(f"prompt_len={p}: expected >= prompt_start={s} (the conversation "
+                             f"cannot be shorter than the rows already captured)")
+        if not isinstance(routes, (np.ndarray, jax.Array)) or routes.ndim != 3:
+            shape = getattr(routes, "shape", type(routes).__name__)
+            raise ValueError(f"routes shape={shape}: expected an array [rows, L, K]")
+        ids = self.moe_layer_ids
+        if layers is not None:
+            new = _layer_ids("layers", layers)
+            if ids is not None and new != ids:
+                raise ValueError(f"layers={list(new)}: expected moe_layer_ids={list(ids)} of this "
+                                 f"trace (a chunk from different MoE layers)")
+            ids = new
+        if ids is not None and routes.shape[1] != len(ids):
+            raise ValueError(f"routes shape={tuple(routes.shape)}: expected L = {len(ids)} "
+                             f"(moe_layer_ids={list(ids)})")
+        want = p - s + g - 1
+        if routes.shape[0] != want:
+            raise ValueError(f"routes has {routes.shape[0]} rows: expected prompt_len - prompt_start "
+                             f"+ generated_len - 1 = {p} - {s} + {g} - 1 = {want}")
+        return self.replace(moe_layer_ids=ids, rows=self.rows.append(routes, want, name="routes"))
+
+    def finalize(self, *, token_count: int, loss_mask: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Host-side: ``(routes [N, L, K], captured [N] bool)`` for a trajectory of N tokens.
+
+        Rows ``[0, prompt_start)`` are the recorded ones (captured True); later rows are filled
+        with ``0..K-1`` and captured False. Raises if a loss-active target lies after the first
+        uncaptured position (``loss_mask[i] != 0`` for some ``i > prompt_start``, DESIGN.md §4).
+        """
+        s = self.prompt_start
+        n = _int("token_count", token_count)
+        if n < s:
+            raise ValueError(f"token_count={n}: expected >= prompt_start={s} (rows recorded)")
+        mask = np.asarray(loss_mask)
+        if mask.shape != (n,):
+            raise ValueError(f"loss_mask shape={mask.shape}: expected [N] = ({n},)")
+        if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.number):
+            raise ValueError(f"loss_mask dtype={mask.dtype}: expected bool or numeric")
+        late = np.flatnonzero(mask[s + 1:])
+        if late.size:
+            i = s + 1 + int(late[0])
+            raise ValueError(f"{_MISSING} {i}: rows exist for tokens [0, {s}) (prompt_start={s}); "
+                             f"a loss-active target must be at index <= prompt_start")
+        if not self.rows.chunks:
+            raise ValueError("finalize: no routes recorded, so L and K are unknown; record at "
+                             "least one engine call")
+        dtype = self.rows.dtype
+        _, num_layers, top_k = self.rows.chunks[0].shape
+        fill = np.broadcast_to(np.arange(top_k, dtype=dtype), (n - s, num_layers, top_k))
+        chunks = [np.asarray(c) for c in self.rows.chunks] + [fill]
+        routes = np.concatenate(chunks, axis=0, dtype=dtype)
+        return routes, np.arange(n) < s

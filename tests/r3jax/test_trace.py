@@ -1,0 +1,201 @@
+"""Trace accumulators: immutability, rejections, widening, the §4 finalize check, pytree behaviour,
+and the fixed-capacity device trace against the host one."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from r3jax import trace_device as D
+from r3jax.trace import RoutedExpertTrace, TokenMetadataTrace
+
+L, K = 2, 2
+
+
+def _rows(n, start=0, dtype=np.uint8):
+    """Distinguishable rows: row j holds ids (start + j) and (start + j + 1) in every layer."""
+    j = np.arange(start, start + n)
+    return np.broadcast_to(np.stack([j, j + 1], -1)[:, None, :], (n, L, K)).astype(dtype)
+
+
+def _two_turns():
+    t0 = RoutedExpertTrace(moe_layer_ids=(1, 2))
+    t1 = t0.record(prompt_len=3, generated_len=2, routes=_rows(4))  # rows 0..3 of tokens 0..4
+    t2 = t1.record(prompt_len=7, generated_len=2, routes=_rows(4, 4))  # rows 4..7 of tokens 0..8
+    return t0, t1, t2
+
+
+def test_metadata_trace_is_immutable_and_copies_numpy_input():
+    a = np.arange(6, dtype=np.int32).reshape(3, 2)
+    t0 = TokenMetadataTrace()
+    t1 = t0.append(a, 3)
+    t2 = t1.append(a[:1] + 10, 1)
+    assert (t0.num_rows, t1.num_rows, t2.num_rows) == (0, 3, 4)
+    assert t0.chunks == () and len(t1.chunks) == 1
+    a[0, 0] = 99  # the caller's array changes; the trace must not
+    np.testing.assert_array_equal(t1.finalize(), np.arange(6).reshape(3, 2))
+    np.testing.assert_array_equal(t2.finalize()[3], [10, 11])
+    with pytest.raises(ValueError, match="read-only"):
+        t1.chunks[0][0, 0] = 5
+
+
+@pytest.mark.parametrize("rows,expected,message", [
+    (np.zeros((3, 2), np.int32), 4, "rows has 3 rows: expected 4"),
+    (np.array(5, np.int32), 1, r"rows is 0-d \(shape \(\)\)"),
+    ([[1, 2]], 1, "rows: got list, expected a numpy or jax array"),
+    (np.zeros((1, 2), np.float32), 1, "rows dtype=float32: expected an integer or bool dtype"),
+    (np.zeros((1, 2), np.int8), 1, "rows dtype=int8: expected uint8/int16/int32"),
+    (np.zeros((1, 2), np.int32), True, r"expected_rows=True: expected an int \(not a bool\)"),
+])
+def test_metadata_trace_rejections(rows, expected, message):
+    with pytest.raises(ValueError, match=message):
+        TokenMetadataTrace().append(rows, expected)
+
+
+def test_metadata_trace_schema_is_fixed_by_first_chunk():
+    t = TokenMetadataTrace().append(np.zeros((2, 3), np.uint8), 2)
+    with pytest.raises(ValueError, match=r"rows trailing shape=\(4,\): expected \(3,\)"):
+        t.append(np.zeros((1, 4), np.uint8), 1)
+    with pytest.raises(ValueError, match="rows dtype=bool: expected an integer dtype"):
+        t.append(np.zeros((1, 3), bool), 1)
+    with pytest.raises(ValueError, match="no chunks"):
+        TokenMetadataTrace().finalize()
+
+
+def test_metadata_trace_widens_integer_dtypes():
+    t = TokenMetadataTrace().append(np.full((2, 1), 200, np.uint8), 2)
+    t = t.append(np.full((1, 1), 300, np.int16), 1)
+    assert t.dtype == np.int16
+    t = t.append(np.full((1, 1), 70000, np.int32), 1)
+    out = t.finalize()
+    assert out.dtype == np.int32
+    np.testing.assert_array_equal(out[:, 0], [200, 200, 300, 70000])
+
+
+def test_two_turn_scenario_leaves_last_row_uncaptured():
+    t0, t1, t2 = _two_turns()
+    assert (t0.prompt_start, t1.prompt_start, t2.prompt_start) == (0, 4, 8)
+    routes, captured = t2.finalize(token_count=9, loss_mask=np.r_[np.zeros(3), 1, 1, 0, 0, 1, 1])
+    assert routes.shape == (9, L, K) and routes.dtype == np.uint8
+    np.testing.assert_array_equal(routes[:8], _rows(8))
+    np.testing.assert_array_equal(routes[8], [[0, 1], [0, 1]])  # uncaptured rows: 0..K-1
+    np.testing.assert_array_equal(captured, [True] * 8 + [False])
+    # The earlier trace is unchanged and finalizes on its own.
+    r1, c1 = t1.finalize(token_count=5, loss_mask=np.r_[0, 0, 0, 1, 1])
+    np.testing.assert_array_equal(r1[:4], _rows(4))
+    assert c1.tolist() == [True] * 4 + [False]
+
+
+def test_finalize_refuses_target_after_gap_and_accepts_one_at_prompt_start():
+    _, _, t = _two_turns()
+    ok = np.zeros(9)
+    ok[8] = 1  # the last sampled token: its logits come from position 7, which has a row
+    t.finalize(token_count=9, loss_mask=ok)
+    late = np.zeros(10)
+    late[9] = 1  # e.g. a synthetic EOS after the last engine call
+    with pytest.raises(ValueError, match="missing routed-expert row for loss-active target at token 9"):
+        t.finalize(token_count=10, loss_mask=late)
+    with pytest.raises(ValueError, match=r"token_count=7: expected >= prompt_start=8"):
+        t.finalize(token_count=7, loss_mask=np.zeros(7))
+    with pytest.raises(ValueError, match=r"loss_mask shape=\(8,\): expected \[N\] = \(9,\)"):
+        t.finalize(token_count=9, loss_mask=np.zeros(8))
+    with pytest.raises(ValueError, match="no routes recorded"):
+        RoutedExpertTrace().finalize(token_count=0, loss_mask=np.zeros(0))
+
+
+def test_record_rejections():
+    _, t1, _ = _two_turns()
+    with pytest.raises(ValueError, match=r"prompt_len=3: expected >= prompt_start=4"):
+        t1.record(prompt_len=3, generated_len=2, routes=_rows(0))
+    with pytest.raises(ValueError, match="generated_len=0: expected an int >= 1"):
+        t1.record(prompt_len=7, generated_len=0, routes=_rows(2))
+    with pytest.raises(ValueError, match=r"prompt_len=True: expected an int \(not a bool\)"):
+        t1.record(prompt_len=True, generated_len=1, routes=_rows(0))
+    with pytest.raises(ValueError, match=r"routes has 3 rows: expected prompt_len - prompt_start \+ "
+                                         r"generated_len - 1 = 7 - 4 \+ 2 - 1 = 4"):
+        t1.record(prompt_len=7, generated_len=2, routes=_rows(3))
+    with pytest.raises(ValueError, match=r"routes shape=\(4, 2\): expected an array \[rows, L, K\]"):
+        t1.record(prompt_len=7, generated_len=2, routes=_rows(4)[:, 0])
+
+
+def test_layer_id_mismatch_is_refused():
+    _, t1, _ = _two_turns()
+    with pytest.raises(ValueError, match=r"layers=\[1, 3\]: expected moe_layer_ids=\[1, 2\]"):
+        t1.record(prompt_len=7, generated_len=2, routes=_rows(4), layers=[1, 3])
+    with pytest.raises(ValueError, match=r"routes shape=\(4, 3, 2\): expected L = 2"):
+        t1.record(prompt_len=7, generated_len=2, routes=np.zeros((4, 3, 2), np.uint8))
+    # A trace without ids adopts the first payload's, then holds later payloads to them.
+    t = RoutedExpertTrace().record(prompt_len=2, generated_len=1, routes=_rows(2), layers=(4, 5))
+    assert t.moe_layer_ids == (4, 5)
+    with pytest.raises(ValueError, match=r"layers=\[4, 6\]"):
+        t.record(prompt_len=2, generated_len=2, routes=_rows(1), layers=(4, 6))
+
+
+def test_widening_when_later_turn_uses_expert_above_255_of_384():
+    t = RoutedExpertTrace(moe_layer_ids=(0, 1))
+    t = t.record(prompt_len=3, generated_len=2, routes=_rows(4, 250, np.uint8))  # ids 250..254
+    big = _rows(4, 290, np.int16)  # ids 290..294: need int16
+    t = t.record(prompt_len=7, generated_len=2, routes=big)
+    routes, captured = t.finalize(token_count=9, loss_mask=np.zeros(9))
+    assert routes.dtype == np.int16
+    np.testing.assert_array_equal(routes[:4], _rows(4, 250))
+    np.testing.assert_array_equal(routes[4:8], big)
+    assert captured.sum() == 8
+
+
+def test_pytree_tree_map_and_jit():
+    _, _, t = _two_turns()
+    assert len(jax.tree_util.tree_leaves(t)) == 2
+    shifted = jax.tree_util.tree_map(lambda x: x.astype(np.int32) + 1, t)
+    assert isinstance(shifted, RoutedExpertTrace) and shifted.moe_layer_ids == (1, 2)
+    np.testing.assert_array_equal(shifted.rows.finalize(), _rows(8).astype(np.int32) + 1)
+
+    _, t1, _ = _two_turns()
+    step = jax.jit(lambda tr, r: tr.record(prompt_len=7, generated_len=2, routes=r))
+    out = step(t1, jnp.asarray(_rows(4, 4)))
+    assert isinstance(out.rows.chunks[1], jax.Array) and out.prompt_start == 8
+    mask = np.zeros(9)
+    np.testing.assert_array_equal(out.finalize(token_count=9, loss_mask=mask)[0],
+                                  t.finalize(token_count=9, loss_mask=mask)[0])
+    inner = jax.jit(lambda tr: tr.rows.finalize())(t)
+    np.testing.assert_array_equal(inner, _rows(8))
+
+
+def _device_record(trace, p, g, chunk, width=6):
+    padded = np.zeros((width, L, K), np.uint8)
+    padded[:len(chunk)] = chunk
+    return _jit_record(trace, p, g, jnp.asarray(padded))
+
+
+_jit_record = jax.jit(D.record)
+
+
+def test_device_trace_matches_host_trace():
+    _, _, host = _two_turns()
+    dev = D.DeviceRouteTrace.init(12, L, K, num_experts=8, moe_layer_ids=(1, 2))
+    dev = _device_record(dev, 3, 2, _rows(4))
+    dev = _device_record(dev, 7, 2, _rows(4, 4))
+    assert int(dev.prompt_start) == 8 and dev.routes.dtype == np.uint8
+    for n, mask in [(9, np.r_[np.zeros(8), 1]), (11, np.zeros(11))]:
+        got = D.to_host(dev, token_count=n, loss_mask=mask)
+        want = host.finalize(token_count=n, loss_mask=mask)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+    late = np.zeros(10)
+    late[9] = 1
+    with pytest.raises(ValueError, match="missing routed-expert row for loss-active target at token 9"):
+        D.to_host(dev, token_count=10, loss_mask=late)
+
+
+def test_device_trace_refuses_bad_records_without_writing():
+    dev = D.DeviceRouteTrace.init(6, L, K, num_experts=8)
+    dev = _device_record(dev, 3, 2, _rows(4))
+    before = np.asarray(dev.routes)
+    for p, g, code in [(2, 2, D.PROMPT_BEFORE_START), (4, 0, D.NO_GENERATED), (6, 2, D.OVERFLOW),
+                       (12, 1, D.CHUNK_TOO_SHORT | D.OVERFLOW)]:
+        bad = _device_record(dev, p, g, _rows(0))
+        assert int(bad.errors) == code and int(bad.length) == 4
+        np.testing.assert_array_equal(np.asarray(bad.routes), before)
+    with pytest.raises(ValueError, match="errors=8: refused record.*pass the trace capacity"):
+        D.check(_device_record(dev, 6, 2, _rows(0)))
+    D.check(dev)  # no error bits: no raise
