@@ -1,0 +1,80 @@
+"""Mesh construction and batch placement on 8 simulated CPU devices (tests/conftest.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from r3jax.batch import collate
+from r3jax.sharding import batch_multiple, batch_sharding, make_mesh, shard_batch
+
+L, K = 2, 2
+
+
+def _trajs(num_experts, count=5):
+    rng = np.random.default_rng(0)
+    out = []
+    for j in range(count):
+        n = 3 + j
+        routes = np.argsort(rng.random((n, L, 8)), -1)[..., :K] + (num_experts - 8)  # top ids
+        out.append({"tokens": rng.integers(0, 100, n), "loss_mask": np.r_[0, np.ones(n - 1)],
+                    "rollout_logprobs": -rng.random(n), "advantage": j * 0.5, "routes": routes,
+                    "captured": np.arange(n) < n - 1})
+    return out
+
+
+def test_make_mesh_shapes_and_axis_types():
+    assert jax.device_count() == 8
+    mesh = make_mesh()
+    assert mesh.axis_names == ("data", "fsdp", "expert")
+    assert dict(mesh.shape) == {"data": 8, "fsdp": 1, "expert": 1}
+    assert mesh.axis_types == (AxisType.Auto,) * 3
+    assert dict(make_mesh(data=-1, fsdp=2).shape) == {"data": 4, "fsdp": 2, "expert": 1}
+    assert dict(make_mesh(2, 2, 2).shape) == {"data": 2, "fsdp": 2, "expert": 2}
+    assert dict(make_mesh(data=2, fsdp=1, devices=jax.devices()[:2]).shape)["data"] == 2
+    assert make_mesh(axis_type=AxisType.Explicit).axis_types == (AxisType.Explicit,) * 3
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"data": 3}, r"mesh \(data=3, fsdp=1, expert=1\) has 3 slots: expected 8"),
+    ({"data": -1, "fsdp": 3}, "data=-1: 8 devices are not divisible by the other axes' product 3"),
+    ({"data": -1, "fsdp": -1}, "data and fsdp are both -1"),
+    ({"fsdp": 0}, r"fsdp=0: expected an int >= 1, or -1"),
+    ({"expert": True}, r"expert=True: expected an int >= 1"),
+])
+def test_make_mesh_rejections(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_mesh(**kwargs)
+
+
+@pytest.mark.parametrize("num_experts,dtype", [(8, np.uint8), (300, np.int16)])
+def test_shard_batch_specs_shards_and_round_trip(num_experts, dtype):
+    mesh = make_mesh(data=4, fsdp=2)
+    assert batch_multiple(mesh) == 8
+    host = collate(_trajs(num_experts), buckets=(8,), num_experts=num_experts, top_k=K, num_layers=L,
+                   batch_multiple=batch_multiple(mesh))
+    assert host.tokens.shape == (8, 8)
+    dev = shard_batch(host, mesh)
+    assert batch_sharding(mesh) == NamedSharding(mesh, P(("data", "fsdp")))
+    for (path, leaf), want in zip(jax.tree_util.tree_leaves_with_path(dev), jax.tree_util.tree_leaves(host)):
+        name = jax.tree_util.keystr(path)
+        assert isinstance(leaf, jax.Array), name
+        assert leaf.sharding.spec == P(("data", "fsdp")), name
+        assert leaf.dtype == want.dtype, name
+        shards = leaf.addressable_shards
+        assert len(shards) == 8 and {s.data.shape for s in shards} == {(1,) + want.shape[1:]}, name
+        assert sorted(s.index[0].start for s in shards) == list(range(8)), name
+        np.testing.assert_array_equal(np.asarray(leaf), want)
+    assert dev.routes.dtype == dtype  # compact on device
+    total = jax.jit(lambda b: jnp.sum(b.routes.astype(jnp.int32) * b.route_mask[..., None, None]))(dev)
+    assert int(total) == int((host.routes.astype(np.int64) * host.route_mask[..., None, None]).sum())
+
+
+def test_shard_batch_refuses_batch_not_divisible():
+    mesh = make_mesh(data=4, fsdp=2)
+    host = collate(_trajs(8), buckets=(8,), num_experts=8, top_k=K, num_layers=L)  # B = 5
+    with pytest.raises(ValueError, match=r"batch.tokens shape=\(5, 8\): expected a leading batch dim "
+                                         r"that is a multiple of data x fsdp = 8 "
+                                         r"\(collate\(..., batch_multiple=8\)\)"):
+        shard_batch(host, mesh)
