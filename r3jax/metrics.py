@@ -1,0 +1,121 @@
+"""Train–inference mismatch metrics (DESIGN.md §6), defined once for the trainer, tests and experiments.
+
+All functions are pure ``jnp`` over ``[B, S]``-indexed arrays (numpy inputs work too) and are safe
+inside ``jax.jit``. Values outside a mask never reach a result, even if they are inf or NaN.
+
+Two token sets are used, both derived from the batch contract (row i of every array = absolute
+token i; ``loss_mask[i] == 1`` when token i is a loss-active target predicted from the logits at
+position i - 1 of the same segment, and 0 at a segment's first token):
+
+- **targets**: positions i with ``loss_mask[i] == 1``. Logprob metrics (Δ) live here.
+- **predicting positions**: positions i with ``loss_mask[i + 1] == 1``, i.e. the positions whose
+  logits score a loss-active target. The route row at i is what shapes that prediction (DESIGN §4),
+  so routing metrics and the fallback fraction are taken over predicting positions; routing
+  disagreement additionally requires a captured row (``route_mask[i]``). Because loss_mask is 0 at
+  every segment start, shifting by one never crosses into another packed segment.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+LN2 = math.log(2.0)
+
+
+def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean of ``x`` over ``mask`` (any shape broadcastable to x); 0.0 when the mask is empty.
+
+    Entries outside the mask are replaced by 0 before summing, so NaN/inf there cannot leak.
+    """
+    m = jnp.broadcast_to(jnp.asarray(mask, jnp.float32), jnp.shape(x))
+    x = jnp.where(m > 0, jnp.asarray(x, jnp.float32), 0.0)
+    return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def predicting_mask(loss_mask: jax.Array) -> jax.Array:
+    """``[B, S]`` bool: True at i when ``loss_mask[i + 1] == 1`` (the logits at i score a target)."""
+    lm = jnp.asarray(loss_mask) > 0
+    return jnp.concatenate([lm[:, 1:], jnp.zeros_like(lm[:, :1])], axis=1)
+
+
+def logprob_mismatch(train_logprobs, rollout_logprobs, loss_mask) -> dict[str, jax.Array]:
+    """Δ = log π_train(y) − log π_rollout(y) over targets (``loss_mask [B, S]`` > 0).
+
+    train_logprobs, rollout_logprobs [B, S] f32 (row i = logprob of token i). Returns scalars
+    ``mean_abs_delta`` = mean |Δ|, ``k3_kl`` = mean(exp(Δ) − 1 − Δ) (the k3 estimator of
+    KL(π_rollout ‖ π_train) on rollout samples) and ``f2`` = fraction with |Δ| > ln 2
+    (probability ratio outside [1/2, 2]).
+    """
+    m = jnp.asarray(loss_mask) > 0
+    delta = jnp.where(m, jnp.asarray(train_logprobs, jnp.float32)
+                      - jnp.asarray(rollout_logprobs, jnp.float32), 0.0)
+    return {
+        "mean_abs_delta": masked_mean(jnp.abs(delta), m),
+        "k3_kl": masked_mean(jnp.expm1(delta) - delta, m),
+        "f2": masked_mean((jnp.abs(delta) > LN2).astype(jnp.float32), m),
+    }
+
+
+def route_set_differs(routes, rollout_routes) -> jax.Array:
+    """``[B, S, L]`` bool: the top-k *set* at (token, layer) differs (order within K is ignored).
+
+    routes, rollout_routes [B, S, L, K], any integer dtypes (compact uint8/int16 included).
+    """
+    a = jnp.sort(jnp.asarray(routes).astype(jnp.int32), axis=-1)
+    b = jnp.sort(jnp.asarray(rollout_routes).astype(jnp.int32), axis=-1)
+    return jnp.any(a != b, axis=-1)
+
+
+def routing_disagreement(routes, rollout_routes, route_mask, loss_mask) -> dict[str, jax.Array]:
+    """Disagreement between the trainer's routes and the rollout's recorded routes.
+
+    routes [B, S, L, K] (the model's ``out.routes`` or ``out.live_routes``), rollout_routes [B, S, L, K],
+    route_mask [B, S] bool (a recorded row exists), loss_mask [B, S]. Counted over predicting
+    positions that have a recorded row. Returns ``routing_disagreement`` (fraction of
+    (token, MoE layer) pairs whose sets differ), ``routing_disagreement_per_layer`` [L] and
+    ``token_any_disagreement`` (fraction of tokens with at least one differing layer).
+    """
+    differs = route_set_differs(routes, rollout_routes)  # [B, S, L]
+    tok = predicting_mask(loss_mask) & (jnp.asarray(route_mask) > 0)  # [B, S]
+    d = differs.astype(jnp.float32)
+    count = jnp.maximum(jnp.sum(tok.astype(jnp.float32)), 1.0)
+    per_layer = jnp.sum(jnp.where(tok[..., None], d, 0.0), axis=(0, 1)) / count  # [L]
+    overall = jnp.mean(per_layer) if d.shape[-1] else jnp.zeros((), jnp.float32)
+    return {
+        "routing_disagreement": overall,
+        "routing_disagreement_per_layer": per_layer,
+        "token_any_disagreement": masked_mean(jnp.any(differs, axis=-1).astype(jnp.float32), tok),
+    }
+
+
+def fallback_fraction(route_mask, loss_mask) -> jax.Array:
+    """Fraction of loss-active targets whose predicting position has no recorded row, i.e. whose
+    logits were produced by live routing for lack of a row (route_mask [B, S] bool, loss_mask [B, S])."""
+    pred = predicting_mask(loss_mask)
+    missing = (~(jnp.asarray(route_mask) > 0)).astype(jnp.float32)
+    return masked_mean(missing, pred)
+
+
+def mismatch_metrics(*, train_logprobs, rollout_logprobs, loss_mask, live_routes, rollout_routes,
+                     route_mask, used_routes=None) -> dict[str, jax.Array]:
+    """All §6 metrics in one dict.
+
+    Routing is compared twice against the rollout's routes [B, S, L, K]:
+    ``routing_disagreement`` / ``_per_layer`` [L] / ``token_any_disagreement`` use the routes the
+    trainer actually computed with (``used_routes``: the model's ``out.routes``, replayed where a row
+    was replayed; default ``live_routes``), so they are 0 under replay and measure the routing
+    mismatch the loss sees. ``live_routing_disagreement`` / ``live_routing_disagreement_per_layer`` /
+    ``live_token_any_disagreement`` use the router's own top-k (``out.live_routes``): what the
+    trainer would have chosen, i.e. what replay overrides. Without replay the two sets are equal.
+    Plus mean_abs_delta, k3_kl, f2 (:func:`logprob_mismatch`) and fallback_fraction.
+    """
+    used_routes = live_routes if used_routes is None else used_routes
+    out = logprob_mismatch(train_logprobs, rollout_logprobs, loss_mask)
+    out.update(routing_disagreement(used_routes, rollout_routes, route_mask, loss_mask))
+    live = routing_disagreement(live_routes, rollout_routes, route_mask, loss_mask)
+    out.update({"live_" + k: v for k, v in live.items()})
+    out["fallback_fraction"] = fallback_fraction(route_mask, loss_mask)
+    return out

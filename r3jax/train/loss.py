@@ -1,0 +1,116 @@
+"""Policy-gradient loss: token logprobs, the clipped surrogate (GRPO/PPO style), optional truncated
+importance weights and KL to a reference policy, and group-normalised advantages."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from r3jax.metrics import masked_mean
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Hyper-parameters of the token-level policy-gradient loss (hashable: a static jit argument).
+
+    clip_eps / clip_eps_high: the ratio is clipped to ``[1 - clip_eps, 1 + clip_eps_high]``
+    (``clip_eps_high=None`` means symmetric). tis_cap: None for the plain surrogate whose ratio is
+    taken against the rollout logprobs; a float C switches to truncated importance sampling: the
+    surrogate's ratio is taken against the trainer's own (stop-gradient) logprobs and every token
+    is weighted by ``min(π_train / π_rollout, C)`` (stop-gradient). kl_coef: weight of the k3 KL to
+    a reference policy (needs ``ref_logprobs``). aux_coef: weight of the router load-balancing
+    loss; None takes the model's ``router_aux_loss_coef``.
+    """
+
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    tis_cap: float | None = None
+    kl_coef: float = 0.0
+    aux_coef: float | None = None
+
+    def __post_init__(self):
+        checks = [
+            ("clip_eps", 0.0 < self.clip_eps < 1.0, "in (0, 1)"),
+            ("clip_eps_high", self.clip_eps_high is None or self.clip_eps_high > 0.0, "None or > 0"),
+            ("tis_cap", self.tis_cap is None or self.tis_cap >= 1.0, "None or >= 1"),
+            ("kl_coef", self.kl_coef >= 0.0, ">= 0"),
+            ("aux_coef", self.aux_coef is None or self.aux_coef >= 0.0, "None or >= 0"),
+        ]
+        for name, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"LossConfig.{name}={getattr(self, name)!r}: expected {expected}")
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Logprob of every token under the logits of the previous position.
+
+    logits [B, S, V], tokens [B, S] int -> [B, S] f32 where row i = log softmax(logits[i - 1])[tokens[i]]
+    and row 0 = 0 (nothing predicts the first token). Rows that cross a packed-segment boundary
+    are meaningless and must be masked by loss_mask (0 at every segment start).
+    """
+    lg = logits[:, :-1].astype(jnp.float32)
+    picked = jnp.take_along_axis(lg, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
+    lp = picked - jax.nn.logsumexp(lg, axis=-1)
+    return jnp.pad(lp, ((0, 0), (1, 0)))
+
+
+def policy_loss(logprobs, rollout_logprobs, advantages, loss_mask, config: LossConfig,
+                ref_logprobs=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Token-mean clipped surrogate over targets (``loss_mask [B, S]`` > 0).
+
+    logprobs [B, S] (trainer, differentiable), rollout_logprobs [B, S], advantages [B, S],
+    ref_logprobs [B, S] or None. Returns ``(loss, stats)`` where loss = pg_loss + kl_coef * kl_ref
+    and stats holds pg_loss, clip_fraction (targets where the clipped branch was taken),
+    importance_weight (mean truncated weight; 1 without tis_cap) and kl_ref when used.
+    Values at masked-out positions (padding) are zeroed before any exp, so garbage there is inert.
+    """
+    m = jnp.asarray(loss_mask) > 0
+    lp = jnp.where(m, logprobs, 0.0)
+    old = jnp.where(m, jnp.asarray(rollout_logprobs, jnp.float32), 0.0)
+    adv = jnp.where(m, jnp.asarray(advantages, jnp.float32), 0.0)
+    if config.tis_cap is None:
+        behaviour, weight = old, jnp.ones_like(lp)
+    else:
+        behaviour = jax.lax.stop_gradient(lp)
+        weight = jnp.minimum(jnp.exp(behaviour - old), config.tis_cap)
+    ratio = jnp.exp(lp - behaviour)
+    high = config.clip_eps if config.clip_eps_high is None else config.clip_eps_high
+    unclipped = ratio * adv
+    clipped = jnp.clip(ratio, 1.0 - config.clip_eps, 1.0 + high) * adv
+    pg_loss = -masked_mean(weight * jnp.minimum(unclipped, clipped), m)
+    stats = {
+        "pg_loss": pg_loss,
+        "clip_fraction": masked_mean((clipped < unclipped).astype(jnp.float32), m),
+        "importance_weight": masked_mean(weight, m),
+    }
+    loss = pg_loss
+    if config.kl_coef > 0.0:
+        log_r = jnp.where(m, jnp.asarray(ref_logprobs, jnp.float32), 0.0) - lp  # log π_ref / π
+        stats["kl_ref"] = masked_mean(jnp.expm1(log_r) - log_r, m)
+        loss = loss + config.kl_coef * stats["kl_ref"]
+    return loss, stats
+
+
+def group_advantages(rewards, group_ids, *, scale: bool = True, eps: float = 1e-6) -> np.ndarray:
+    """GRPO advantages on the host: reward minus its group mean, divided by the group std if scale.
+
+    rewards [N] float, group_ids [N] int (samples of the same prompt share an id) -> [N] float32.
+    A group of identical rewards gets advantage 0.
+    """
+    r = np.asarray(rewards, np.float64)
+    g = np.asarray(group_ids)
+    if r.ndim != 1:
+        raise ValueError(f"rewards shape={r.shape}: expected [N]")
+    if g.shape != r.shape:
+        raise ValueError(f"group_ids shape={g.shape}: expected {r.shape} (one id per reward)")
+    _, inv = np.unique(g, return_inverse=True)
+    count = np.bincount(inv)
+    mean = np.bincount(inv, weights=r) / count
+    centred = r - mean[inv]
+    if scale:
+        std = np.sqrt(np.bincount(inv, weights=centred ** 2) / count)
+        centred = centred / (std[inv] + eps)
+    return centred.astype(np.float32)

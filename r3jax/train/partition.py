@@ -1,0 +1,87 @@
+"""Partition specs for the trainer: expert weights along ``expert``, everything else along ``fsdp``,
+batches along ``data`` x ``fsdp`` (r3jax.sharding); and the mesh helpers the train state uses."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from r3jax.sharding import AXES as MESH_AXES
+from r3jax.sharding import batch_multiple as batch_divisor
+from r3jax.sharding import batch_sharding
+_EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj")
+
+
+def single_device_mesh(device=None) -> Mesh:
+    """A (1, 1, 1) mesh over one device with the trainer's axis names (the 1-device default)."""
+    device = jax.devices()[0] if device is None else device
+    return jax.make_mesh((1, 1, 1), MESH_AXES, devices=[device], axis_types=(AxisType.Auto,) * 3)
+
+
+def check_mesh(mesh: Mesh) -> Mesh:
+    """Host-side check that ``mesh`` has the axes data, fsdp, expert with Auto axis types.
+
+    The model is written for compiler-propagated (Auto) sharding; Explicit axes would require
+    sharding annotations inside the model (gathers and einsums raise ShardingTypeError).
+    """
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh={mesh!r}: expected a jax.sharding.Mesh")
+    if tuple(mesh.axis_names) != MESH_AXES:
+        raise ValueError(f"mesh.axis_names={tuple(mesh.axis_names)}: expected {MESH_AXES}")
+    if any(t != AxisType.Auto for t in mesh.axis_types):
+        raise ValueError(f"mesh.axis_types={mesh.axis_types}: expected all AxisType.Auto "
+                         "(build it with jax.make_mesh(..., axis_types=(AxisType.Auto,) * 3))")
+    return mesh
+
+
+def _name(entry) -> str:
+    return str(getattr(entry, "key", getattr(entry, "name", getattr(entry, "idx", entry))))
+
+
+def _is_expert_weight(path, leaf) -> bool:
+    names = [_name(p) for p in path]
+    names = [n for n in names if n != "value"]
+    return leaf.ndim == 3 and bool(names) and names[-1] in _EXPERT_PARAMS
+
+
+def param_spec(path, leaf, mesh: Mesh) -> P:
+    """PartitionSpec of one parameter. Expert tensors [E, ...] put E on ``expert`` and their largest
+    other dim on ``fsdp``; every other tensor puts its largest dim on ``fsdp``. A dim is only sharded
+    when the axis size divides it (otherwise it stays replicated, still correct)."""
+    shape = tuple(leaf.shape)
+    spec: list = [None] * len(shape)
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    free = list(range(len(shape)))
+    if _is_expert_weight(path, leaf) and shape[0] % sizes["expert"] == 0 and sizes["expert"] > 1:
+        spec[0] = "expert"
+        free.remove(0)
+    elif _is_expert_weight(path, leaf):
+        free.remove(0)  # the expert dim never goes on fsdp: experts are sharded by "expert" only
+    if sizes["fsdp"] > 1:
+        for d in sorted(free, key=lambda i: -shape[i]):
+            if shape[d] % sizes["fsdp"] == 0:
+                spec[d] = "fsdp"
+                break
+    return P(*spec)
+
+
+def param_shardings(params, mesh: Mesh):
+    """NamedSharding for every leaf of a params pytree (an ``nnx.State`` keeps its structure)."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: NamedSharding(mesh, param_spec(p, x, mesh)),
+                                            params)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def mesh_of(tree) -> Mesh:
+    """The Mesh that the first NamedSharding-placed leaf of ``tree`` lives on."""
+    for leaf in jax.tree.leaves(tree):
+        sh = getattr(leaf, "sharding", None)
+        if isinstance(sh, NamedSharding) and isinstance(sh.mesh, Mesh):
+            return sh.mesh
+    raise ValueError("state has no leaf placed with a NamedSharding on a concrete Mesh: expected a "
+                     "TrainState built by init_train_state or restored by Checkpointer")

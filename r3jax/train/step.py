@@ -1,0 +1,207 @@
+"""The jitted, sharded policy-gradient step with routed-expert replay, and a forward-only eval step.
+
+``train_step(state, batch, replay="rollout")`` replays ``batch.routes`` where ``batch.route_mask``
+is True; ``replay="none"`` routes every token live. Both modes report the same mismatch metrics
+(r3jax.metrics), so a run without replay shows what replay would remove.
+
+Batch contract (r3jax.batch.Batch; any pytree with these attributes works), every field indexed by
+absolute token i of a row: tokens, positions, segment_ids [B, S] int32 (segment 0 = padding);
+attention_mask [B, S] bool; loss_mask, advantages, rollout_logprobs [B, S] f32; routes [B, S, L, K]
+compact int; route_mask [B, S] bool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from models import Replay
+from r3jax import metrics as mm
+from r3jax.train import partition
+from r3jax.train.loss import LossConfig, policy_loss, token_logprobs
+from r3jax.train.state import TrainState, state_shardings
+
+REPLAY_MODES = ("rollout", "none")
+BATCH_FIELDS = ("tokens", "positions", "segment_ids", "attention_mask", "loss_mask", "advantages",
+                "rollout_logprobs", "routes", "route_mask")
+
+
+def forward_metrics(params, state: TrainState, batch, replay: str, config: LossConfig, ref_logprobs=None):
+    """Loss and metrics of one forward pass (pure; differentiable in ``params``).
+
+    Returns ``(loss, metrics)``. Replay mode "rollout" forces ``batch.routes`` where
+    ``batch.route_mask``; the aux loss is taken over real, captured tokens (segment_ids > 0 and
+    route_mask), since uncaptured rows stay out of router statistics (DESIGN §4). Mode "none"
+    routes live everywhere and takes the aux loss over all real tokens.
+    """
+    model = nnx.merge(state.graphdef, params, state.rest)
+    real = batch.segment_ids > 0
+    captured = batch.route_mask.astype(bool)
+    if replay == "rollout":
+        rp, token_mask = Replay(batch.routes, captured), real & captured
+    else:
+        rp, token_mask = None, real
+    out = model(batch.tokens, batch.positions, replay=rp, segment_ids=batch.segment_ids,
+                token_mask=token_mask)
+    lp = token_logprobs(out.logits, batch.tokens)
+    loss, stats = policy_loss(lp, batch.rollout_logprobs, batch.advantages, batch.loss_mask, config,
+                              ref_logprobs)
+    cfg = getattr(model, "config", None)
+    aux_coef = config.aux_coef if config.aux_coef is not None else getattr(cfg, "router_aux_loss_coef", 0.0)
+    loss = loss + aux_coef * out.aux_loss
+    metrics = mm.mismatch_metrics(train_logprobs=jax.lax.stop_gradient(lp),
+                                  rollout_logprobs=batch.rollout_logprobs, loss_mask=batch.loss_mask,
+                                  live_routes=out.live_routes, rollout_routes=batch.routes,
+                                  route_mask=captured, used_routes=out.routes)
+    metrics.update(stats)
+    metrics.update(loss=loss, aux_loss=out.aux_loss,
+                   num_targets=jnp.sum((batch.loss_mask > 0).astype(jnp.float32)))
+    return loss, metrics
+
+
+def _train_impl(state: TrainState, batch, ref_logprobs, *, replay: str, config: LossConfig):
+    grad_fn = jax.value_and_grad(forward_metrics, has_aux=True)
+    (_, metrics), grads = grad_fn(state.params, state, batch, replay, config, ref_logprobs)
+    updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    rng, _ = jax.random.split(state.rng)
+    new = state.replace(params=params, opt_state=opt_state, step=state.step + 1, rng=rng)
+    return new, metrics
+
+
+def _eval_impl(state: TrainState, batch, ref_logprobs, *, replay: str, config: LossConfig):
+    return forward_metrics(state.params, state, batch, replay, config, ref_logprobs)[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    fn: Callable
+    mesh: jax.sharding.Mesh
+    batch_sharding: jax.sharding.NamedSharding
+    model_config: Any
+
+
+_CACHE: dict = {}
+
+
+def _compile(kind: str, state: TrainState, mesh, replay: str, config: LossConfig, with_ref: bool) -> _Compiled:
+    state_sh = state_shardings(state, mesh)
+    bsh, rep = partition.batch_sharding(mesh), partition.replicated(mesh)
+    impl = _train_impl if kind == "train" else _eval_impl
+    body = functools.partial(impl, replay=replay, config=config)
+    if with_ref:
+        fn, in_sh = body, (state_sh, bsh, bsh)
+    else:
+        fn, in_sh = (lambda s, b: body(s, b, None)), (state_sh, bsh)
+    if kind == "train":
+        jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=(state_sh, rep), donate_argnums=0)
+    else:
+        jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=rep)
+    return _Compiled(jitted, mesh, bsh, getattr(state.model(), "config", None))
+
+
+def _lookup(kind: str, state: TrainState, replay: str, config: LossConfig, with_ref: bool) -> _Compiled:
+    if replay not in REPLAY_MODES:
+        raise ValueError(f"replay={replay!r}: expected one of {REPLAY_MODES}")
+    if not isinstance(config, LossConfig):
+        raise ValueError(f"config={config!r}: expected a LossConfig")
+    if config.kl_coef > 0.0 and not with_ref:
+        raise ValueError(f"ref_logprobs=None with LossConfig.kl_coef={config.kl_coef}: expected "
+                         "reference logprobs [B, S] (or kl_coef=0)")
+    mesh = state.mesh
+    # The tree structure carries the graphdef and the optimizer (static fields), so one key covers
+    # model, optimizer, mesh and mode; jax.jit then caches per batch shape underneath.
+    key = (kind, jax.tree.structure(state), mesh, replay, config, with_ref)
+    if key not in _CACHE:
+        _CACHE[key] = _compile(kind, state, mesh, replay, config, with_ref)
+    return _CACHE[key]
+
+
+def make_train_step(state: TrainState, *, replay: str = "rollout", config: LossConfig = LossConfig(),
+                    with_ref: bool = False) -> Callable:
+    """The raw jitted step for hot loops: ``fn(state, batch[, ref_logprobs]) -> (state, metrics)``.
+
+    Explicit in/out shardings from ``state``'s mesh (params per partition specs, batch along
+    data x fsdp, metrics replicated) and ``donate_argnums=0``: the input state is consumed.
+    No host-side checks: call :func:`validate_batch` once per batch shape yourself.
+    """
+    return _lookup("train", state, replay, config, with_ref).fn
+
+
+def validate_batch(batch, model_config, mesh) -> None:
+    """Host-side shape/dtype checks of a batch against the model config and the mesh.
+
+    Raises ValueError naming the field, its value and the expectation. Checks shapes only (cheap,
+    no device transfer); ids in routes are checked by ``models.validate_replay`` if you need it.
+    """
+    missing = [f for f in BATCH_FIELDS if not hasattr(batch, f)]
+    if missing:
+        raise ValueError(f"batch is missing fields {missing}: expected {BATCH_FIELDS}")
+    shape = tuple(np.shape(batch.tokens))
+    if len(shape) != 2:
+        raise ValueError(f"batch.tokens shape={shape}: expected [B, S]")
+    for f in BATCH_FIELDS[1:-2] + ("route_mask",):
+        if tuple(np.shape(getattr(batch, f))) != shape:
+            raise ValueError(f"batch.{f} shape={tuple(np.shape(getattr(batch, f)))}: expected [B, S] = {shape}")
+    if model_config is not None:
+        want = shape + (model_config.num_moe_layers, model_config.top_k)
+        if tuple(np.shape(batch.routes)) != want:
+            raise ValueError(f"batch.routes shape={tuple(np.shape(batch.routes))}: expected [B, S, L, K] = {want}")
+    rdt = np.dtype(batch.routes.dtype)
+    if rdt == np.bool_ or not np.issubdtype(rdt, np.integer):
+        raise ValueError(f"batch.routes dtype={rdt}: expected an integer dtype")
+    div = partition.batch_divisor(mesh)
+    if shape[0] % div:
+        raise ValueError(f"batch.tokens batch size B={shape[0]}: expected a multiple of data x fsdp = {div}")
+
+
+def _place(tree, sharding):
+    """Move leaves that are not already laid out as ``sharding`` (host arrays, other layouts)."""
+    def put(x):
+        sh = getattr(x, "sharding", None)
+        if sh is not None and sh.is_equivalent_to(sharding, np.ndim(x)):
+            return x
+        return jax.device_put(x, sharding)
+    return jax.tree.map(put, tree)
+
+
+def _run(kind, state, batch, replay, config, ref_logprobs):
+    c = _lookup(kind, state, replay, config, ref_logprobs is not None)
+    validate_batch(batch, c.model_config, c.mesh)
+    if ref_logprobs is not None and tuple(np.shape(ref_logprobs)) != tuple(np.shape(batch.tokens)):
+        raise ValueError(f"ref_logprobs shape={tuple(np.shape(ref_logprobs))}: expected [B, S] = "
+                         f"{tuple(np.shape(batch.tokens))}")
+    args = (state, _place(batch, c.batch_sharding))
+    if ref_logprobs is not None:
+        args += (_place(ref_logprobs, c.batch_sharding),)
+    return c.fn(*args)
+
+
+def train_step(state: TrainState, batch, *, replay: str = "rollout", config: LossConfig = LossConfig(),
+               ref_logprobs=None) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer step. Returns ``(new_state, metrics)``; ``state`` is donated (do not reuse it).
+
+    replay: "rollout" (replay batch.routes where batch.route_mask) or "none" (live routing).
+    metrics (replicated scalars unless noted): loss, pg_loss, aux_loss, clip_fraction,
+    importance_weight, grad_norm, num_targets, mean_abs_delta, k3_kl, f2, fallback_fraction,
+    routing_disagreement, routing_disagreement_per_layer [L], token_any_disagreement (routes used,
+    so 0 under replay) and the live_* versions of those three (the router's own top-k, which
+    replay overrides; see r3jax.metrics.mismatch_metrics), + kl_ref with a reference.
+    The compiled program is cached per (mesh, state structure, replay, config, batch shapes).
+    """
+    return _run("train", state, batch, replay, config, ref_logprobs)
+
+
+def eval_step(state: TrainState, batch, *, replay: str = "rollout", config: LossConfig = LossConfig(),
+              ref_logprobs=None) -> dict[str, jax.Array]:
+    """Forward-only metrics of ``state`` on ``batch`` (same dict as train_step minus grad_norm).
+    The state is not donated."""
+    return _run("eval", state, batch, replay, config, ref_logprobs)
