@@ -132,7 +132,7 @@ def decode(obj: Any, num_experts: int | None = None) -> np.ndarray:
             raise ValueError(f"routed_experts: not valid JSON ({e.msg})") from None
     if isinstance(obj, list) or (isinstance(obj, dict) and isinstance(obj.get("data"), list)):
         raise ValueError("routed_experts: got nested JSON lists; send the packed form "
-                         "{\"data\": base64 of the C-order bytes, \"shape\": [rows, L, K], \"dtype\": \"uint8\"}")
+                         '{"data": base64 of the C-order bytes, "shape": [rows, L, K], "dtype": "uint8"}')
     if not isinstance(obj, dict):
         raise ValueError(f"routed_experts: got {type(obj).__name__}, expected a dict with data/shape/dtype")
     missing = [k for k in ("data", "shape", "dtype") if k not in obj]

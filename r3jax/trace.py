@@ -1,8 +1,9 @@
 """Functional, token-aligned trace accumulators: per-turn route chunks in, one per-token array out.
 
 Both classes are immutable JAX pytrees (their chunks are the leaves), so ``jax.tree_util`` works on
-them and a trace passes through ``jax.jit``. Appending keeps the chunks in a tuple: a turn costs
-O(its rows), and :meth:`finalize` concatenates once (a naive re-concatenation per turn is O(N^2)).
+them and a trace passes through ``jax.jit``. Appending keeps the chunks in a tuple: a turn copies
+its own rows (plus one pointer per earlier turn), and :meth:`finalize` concatenates once; a naive
+re-concatenation per turn copies the whole prefix every turn, O(N^2) bytes.
 Validation is on shapes and dtypes only, so ``append``/``record`` also run on tracers; the §4 check
 of :meth:`RoutedExpertTrace.finalize` reads values and runs on the host.
 """
@@ -53,7 +54,13 @@ class TokenMetadataTrace:
 
     @property
     def num_rows(self) -> int:
-        return sum(int(c.shape[0]) for c in self.chunks)
+        # Cached outside the dataclass fields (not a leaf, not in eq/repr): summing the chunk
+        # shapes on every record would make a turn O(turns). Unflattened copies recount once.
+        cached = self.__dict__.get("_num_rows")
+        if cached is None:
+            cached = sum(int(c.shape[0]) for c in self.chunks)
+            object.__setattr__(self, "_num_rows", cached)
+        return cached
 
     @property
     def trailing_shape(self) -> tuple[int, ...] | None:
@@ -100,7 +107,10 @@ class TokenMetadataTrace:
         if isinstance(rows, np.ndarray):
             rows = np.array(rows, copy=True)
             rows.flags.writeable = False
-        return self.replace(chunks=self.chunks + (rows,))
+        # The tuple copy moves pointers only (8 bytes per earlier turn), never route data.
+        out = self.replace(chunks=self.chunks + (rows,))
+        object.__setattr__(out, "_num_rows", self.num_rows + expected_rows)
+        return out
 
     def finalize(self) -> np.ndarray | jax.Array:
         """All rows ``[num_rows, *trailing]`` in the widened dtype, concatenated once.
@@ -129,7 +139,8 @@ class RoutedExpertTrace:
     def __post_init__(self):
         # Static metadata must be a hashable tuple for jit; this also runs on unflatten, so it
         # touches no leaves.
-        if self.moe_layer_ids is not None:
+        ids = self.moe_layer_ids
+        if ids is not None and not (type(ids) is tuple and all(type(v) is int for v in ids)):
             object.__setattr__(self, "moe_layer_ids", _layer_ids("moe_layer_ids", self.moe_layer_ids))
 
     @property
@@ -151,9 +162,11 @@ class RoutedExpertTrace:
         if p < s:
             raise ValueError(f"prompt_len={p}: expected >= prompt_start={s} (the conversation "
                              f"cannot be shorter than the rows already captured)")
-        if not isinstance(routes, (np.ndarray, jax.Array)) or routes.ndim != 3:
-            shape = getattr(routes, "shape", type(routes).__name__)
-            raise ValueError(f"routes shape={shape}: expected an array [rows, L, K]")
+        if not isinstance(routes, (np.ndarray, jax.Array)):
+            raise ValueError(f"routes: got {type(routes).__name__}, expected a numpy or jax array "
+                             f"[rows, L, K]")
+        if routes.ndim != 3:
+            raise ValueError(f"routes shape={tuple(routes.shape)}: expected an array [rows, L, K]")
         ids = self.moe_layer_ids
         if layers is not None:
             new = _layer_ids("layers", layers)

@@ -116,6 +116,8 @@ def test_record_rejections():
         t1.record(prompt_len=7, generated_len=2, routes=_rows(3))
     with pytest.raises(ValueError, match=r"routes shape=\(4, 2\): expected an array \[rows, L, K\]"):
         t1.record(prompt_len=7, generated_len=2, routes=_rows(4)[:, 0])
+    with pytest.raises(ValueError, match="routes: got list, expected a numpy or jax array"):
+        t1.record(prompt_len=7, generated_len=2, routes=_rows(4).tolist())
 
 
 def test_layer_id_mismatch_is_refused():
