@@ -5,6 +5,8 @@
 1. Append + finalize time of a RoutedExpertTrace over 10, 100, 1000 turns against naive
    re-concatenation of the whole prefix every turn (same chunks, same run). Per-turn time should stay
    flat for the trace (O(N) total) and grow with the turn count for the naive one (O(N^2)).
+   copy_floor is the cost of copying each chunk once, the floor for any owner of the data (its
+   per-turn value moves with the allocator and caches, not with the algorithm).
 2. Bytes on the wire per route row: JSON+base64 (r3jax wire form), binary framing, SGLang's int32
    base64 and nested JSON lists, each against the raw compact array.
 3. Fill ratio (real tokens / B*S) of padded vs packed batches on a long-tailed RL length mix.
@@ -61,17 +63,22 @@ def bench_append(turns_list, rows_per_turn, repeats):
                 acc = np.concatenate([acc, c])  # the whole prefix is copied every turn
             return acc
 
+        def copy_floor():  # each chunk copied once: what any owner of the data pays per turn
+            return [np.array(c, copy=True) for c in chunks]
+
         built = build()
         routes, _ = built.finalize(token_count=n_tokens, loss_mask=mask)
         np.testing.assert_array_equal(routes[:-1], naive_run())  # same result, then time
         t_append = timeit(build, repeats=repeats)
         t_final = timeit(lambda: built.finalize(token_count=n_tokens, loss_mask=mask), repeats=repeats)
         t_naive = timeit(naive_run, repeats=repeats)
+        t_copy = timeit(copy_floor, repeats=repeats)
         t_trace = t_append + t_final
         out.append({"turns": turns, "rows": turns * rows_per_turn,
                     "MiB": turns * rows_per_turn * num_layers * top_k / 2**20,
                     "append_ms": 1e3 * t_append, "finalize_ms": 1e3 * t_final,
                     "trace_ms": 1e3 * t_trace, "naive_ms": 1e3 * t_naive,
+                    "copy_floor_us_per_turn": 1e6 * t_copy / turns,
                     "append_us_per_turn": 1e6 * t_append / turns,
                     "trace_us_per_turn": 1e6 * t_trace / turns, "naive_us_per_turn": 1e6 * t_naive / turns,
                     "naive_over_trace": t_naive / t_trace})
@@ -156,7 +163,8 @@ def main():
 
     print(f"\n## Append + finalize, Qwen3-30B-A3B routes (L=48, K=8, uint8), {rows_per_turn} rows/turn")
     print(table(append, ["turns", "rows", "MiB", "append_ms", "finalize_ms", "trace_ms", "naive_ms",
-                         "append_us_per_turn", "trace_us_per_turn", "naive_us_per_turn",
+                         "copy_floor_us_per_turn", "append_us_per_turn", "trace_us_per_turn",
+                         "naive_us_per_turn",
                          "naive_over_trace"]))
     print("\n## Bytes on the wire per route row (ratios against the raw compact array)")
     print(table(wire, ["model", "dtype", "rows", "raw_B_row", "json_b64_B_row", "binary_B_row",
