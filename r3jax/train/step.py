@@ -71,7 +71,7 @@ def _train_impl(state: TrainState, batch, ref_logprobs, *, replay: str, config: 
     (_, metrics), grads = grad_fn(state.params, state, batch, replay, config, ref_logprobs)
     updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     rng, _ = jax.random.split(state.rng)
     new = state.replace(params=params, opt_state=opt_state, step=state.step + 1, rng=rng)
     return new, metrics

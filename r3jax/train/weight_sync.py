@@ -48,21 +48,48 @@ def load_params(path, model: nnx.Module) -> nnx.Module:
 
     Arrays are restored with the shapes, dtypes and shardings of the model's current params (a
     checkpoint saved from an fp32 trainer loads into a bf16 model as bf16). A directory whose
-    params do not match the model's structure or shapes raises ValueError naming the problem.
+    params do not match the model's structure or shapes raises ValueError naming the first
+    offending parameter, checked from orbax metadata before any array is read.
     """
     path = pathlib.Path(path).absolute()
     if not path.is_dir():
         raise ValueError(f"path={str(path)!r}: expected an orbax params directory written by export_params")
     current = nnx.state(model, nnx.Param)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), current)
+    target = tree_io.to_nested(abstract)
     with ocp.StandardCheckpointer() as ckpt:
         try:
-            nested = ckpt.restore(path, tree_io.to_nested(abstract))
-        except Exception as e:  # noqa: BLE001 - report any mismatch as a clear input error
-            raise ValueError(f"path={str(path)!r} does not hold this model's params: "
-                             f"{type(e).__name__}: {str(e)[:300]}") from e
+            stored = ckpt.metadata(path).item_metadata.tree
+        except Exception as e:  # noqa: BLE001 - not an orbax directory at all
+            raise ValueError(f"path={str(path)!r}: expected an orbax params directory written by "
+                             f"export_params ({type(e).__name__}: {str(e)[:200]})") from e
+        _check_same_params(path, _shapes(target), _shapes(stored))
+        nested = ckpt.restore(path, target)
     nnx.update(model, tree_io.from_nested(nested, current))
     return model
+
+
+def _shapes(nested, prefix=()) -> dict[tuple[str, ...], tuple[int, ...]]:
+    out = {}
+    for k, v in nested.items():
+        if isinstance(v, dict):
+            out.update(_shapes(v, prefix + (str(k),)))
+        else:
+            out[prefix + (str(k),)] = tuple(v.shape)
+    return out
+
+
+def _check_same_params(path, want: dict, have: dict) -> None:
+    """Host-side: the checkpoint holds exactly the model's params, with the same shapes."""
+    where = f"path={str(path)!r} does not hold this model's params"
+    for key in sorted(set(want) | set(have)):
+        name = "/".join(key)
+        if key not in have:
+            raise ValueError(f"{where}: {name} is missing (expected shape {want[key]})")
+        if key not in want:
+            raise ValueError(f"{where}: {name} (shape {have[key]}) is not a parameter of the model")
+        if want[key] != have[key]:
+            raise ValueError(f"{where}: {name} has shape {have[key]}, expected {want[key]}")
 
 
 def push_to_engine(engine: Any, model_or_state: Any) -> int:

@@ -1,0 +1,82 @@
+"""r3jax.metrics: hand-computed values, masking, set semantics, packed-segment shift."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from r3jax import metrics as mm
+
+# jitted: one compilation per call site instead of one per eager op
+logprob_mismatch = jax.jit(mm.logprob_mismatch)
+routing_disagreement = jax.jit(mm.routing_disagreement)
+mismatch_metrics = jax.jit(mm.mismatch_metrics)
+
+
+def test_logprob_mismatch_hand_values_and_masked_garbage():
+    train = np.array([[-1.0, -1.1, -2.0, -0.5, 0.0]], np.float32)
+    rollout = np.array([[-1.0, -1.2, -1.2, -0.5, np.nan]], np.float32)  # NaN sits under mask 0
+    loss_mask = np.array([[0, 1, 1, 1, 0]], np.float32)
+    out = {k: float(v) for k, v in logprob_mismatch(train, rollout, loss_mask).items()}
+    delta = np.array([0.1, -0.8, 0.0])
+    assert out["mean_abs_delta"] == pytest.approx(np.abs(delta).mean(), abs=1e-6)
+    assert out["k3_kl"] == pytest.approx(np.mean(np.exp(delta) - 1 - delta), abs=1e-6)
+    assert out["f2"] == pytest.approx(1 / 3)  # only |-0.8| > ln 2
+    assert 0.8 > math.log(2) > 0.1
+
+
+def test_empty_mask_gives_zero_not_nan():
+    z = np.zeros((2, 3), np.float32)
+    out = mismatch_metrics(train_logprobs=z, rollout_logprobs=z, loss_mask=z,
+                              live_routes=np.zeros((2, 3, 2, 2), np.int32),
+                              rollout_routes=np.ones((2, 3, 2, 2), np.int32),
+                              route_mask=np.zeros((2, 3), bool))
+    for k, v in out.items():
+        assert np.all(np.asarray(v) == 0.0), k
+
+
+def test_route_sets_ignore_order_and_dtype():
+    a = np.array([[[[1, 2], [3, 4]]]], np.int32)
+    b = np.array([[[[2, 1], [3, 5]]]], np.uint8)
+    assert np.asarray(mm.route_set_differs(a, b)).tolist() == [[[False, True]]]
+
+
+def test_routing_disagreement_counts_predicting_captured_positions():
+    # S=5, L=2, K=2. loss_mask marks targets 2..4, so positions 1..3 predict them; rows exist for
+    # 0..2 only, so routing is measured at positions 1 and 2.
+    rollout = np.zeros((1, 5, 2, 2), np.int32)
+    rollout[..., 1] = 1
+    live = rollout.copy()
+    live[0, 0, 0] = [5, 6]  # position 0 predicts no target: ignored
+    live[0, 1, 0] = [1, 7]  # counted: layer 0 differs
+    live[0, 3, 1] = [4, 6]  # no row at 3: ignored
+    loss_mask = np.array([[0, 0, 1, 1, 1]], np.float32)
+    route_mask = np.array([[1, 1, 1, 0, 0]], bool)
+    out = routing_disagreement(live, rollout, route_mask, loss_mask)
+    assert np.asarray(out["routing_disagreement_per_layer"]).tolist() == [0.5, 0.0]
+    assert float(out["routing_disagreement"]) == 0.25
+    assert float(out["token_any_disagreement"]) == 0.5
+    # predicting positions 1, 2, 3; position 3 has no row
+    assert float(mm.fallback_fraction(route_mask, loss_mask)) == pytest.approx(1 / 3)
+
+
+def test_predicting_mask_never_crosses_packed_segments():
+    # one row, segment 1 = 3 tokens, segment 2 = 2 tokens; loss_mask 0 at each segment start
+    loss_mask = np.array([[0, 1, 1, 0, 1]], np.float32)
+    assert np.asarray(mm.predicting_mask(loss_mask)).tolist() == [[True, True, False, True, False]]
+
+
+def test_used_routes_versus_live_routes():
+    rollout = np.zeros((1, 3, 1, 2), np.int32)
+    rollout[..., 1] = 1
+    live = rollout.copy()
+    live[0, 0, 0] = [2, 3]
+    kw = dict(train_logprobs=np.zeros((1, 3)), rollout_logprobs=np.zeros((1, 3)),
+              loss_mask=np.array([[0, 1, 1]]), live_routes=live, rollout_routes=rollout,
+              route_mask=np.ones((1, 3), bool))
+    replayed = mismatch_metrics(**kw, used_routes=rollout)
+    assert float(replayed["routing_disagreement"]) == 0.0
+    assert float(replayed["live_routing_disagreement"]) == 0.5
+    live_only = mismatch_metrics(**kw)
+    assert float(live_only["routing_disagreement"]) == float(live_only["live_routing_disagreement"]) == 0.5
