@@ -1,0 +1,23 @@
+"""HTTP serving: the FastAPI app around the engine (``create_app``), its command line
+(``python -m r3jax serve``) and ``RemoteInferenceClient``, which has the engine's ``generate``.
+
+Imports are lazy so the client works without FastAPI/uvicorn installed.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BINARY_MEDIA_TYPE", "ProtocolError", "RemoteError", "RemoteInferenceClient", "RemoteInputError",
+           "create_app"]
+
+
+def __getattr__(name):
+    if name == "create_app":
+        from r3jax.serve.app import create_app
+        return create_app
+    if name in ("RemoteInferenceClient", "RemoteError", "RemoteInputError"):
+        from r3jax.serve import client
+        return getattr(client, name)
+    if name in ("BINARY_MEDIA_TYPE", "ProtocolError"):
+        from r3jax.serve import protocol
+        return getattr(protocol, name)
+    raise AttributeError(f"module 'r3jax.serve' has no attribute {name!r}")

@@ -1,0 +1,235 @@
+"""FastAPI app around an :class:`r3jax.engine.Engine` (DESIGN.md §5).
+
+Endpoints::
+
+    GET  /health        {"status": "ok", "weight_version": n}     (503 while shutting down; no auth)
+    GET  /v1/model      ModelInfo: E, K, L, moe_layer_ids, vocab_size, max_seq_len, weight_version
+    POST /v1/generate   GenerateBody -> GenerateResponse
+    POST /v1/weights    {"path": dir, "format": "orbax" | "safetensors"} -> {"weight_version": n}
+    GET  /v1/stats      request / batch counters, requests per recent session_id, the engine's stats
+    GET  /openapi.json  the schema (no auth)
+
+**Binary routes.** A client that sends ``Accept: application/vnd.r3jax.generate+binary`` (the
+:data:`BINARY_MEDIA_TYPE`) to ``/v1/generate`` gets a body of
+``u32 little-endian n | n bytes of the JSON response | the r3jax.routes.encode_binary frame``; the
+JSON has ``routed_experts: null`` and ``routed_experts_binary``: the frame's byte length. Route bytes
+on the wire then equal the raw array plus a small header (no base64).
+
+**Errors.** Bad input is a 4xx with ``{"error": "invalid_request", "field": ..., "detail": ...}``:
+400 body not JSON, 413 body over ``max_body_bytes``, 422 a field of the wrong type or value, 401 a
+missing or wrong ``Authorization: Bearer <api_key>`` on ``/v1/*`` when ``api_key`` is set. 503
+(with ``Retry-After``) for requests refused while shutting down: clients retry them elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hmac
+import json
+import logging
+import struct
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from r3jax.serve import schema
+from r3jax.serve.batcher import Batcher, ShuttingDown
+from r3jax.serve.protocol import BINARY_MEDIA_TYPE
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+MAX_SESSIONS = 1024
+log = logging.getLogger("r3jax.serve")
+
+
+def _json(obj: Any, status: int = 200, headers: dict | None = None) -> Response:
+    # allow_nan: a -inf logprob must not turn a good answer into a 500 (Python's json reads it back)
+    body = json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
+    return Response(body, status, headers=headers, media_type="application/json")
+
+
+def _error(err: schema.InputError) -> Response:
+    return _json(err.body(), err.status)
+
+
+class Guard:
+    """ASGI middleware: bearer-token check on ``/v1/*`` (when a token is set), then the body buffered
+    up to ``limit`` bytes (413 beyond it, by ``Content-Length`` or by counting a streamed body), so
+    the app never holds more than ``limit`` bytes of one request."""
+
+    def __init__(self, app, limit: int, token: bytes | None = None):
+        self.app, self.limit, self.token = app, limit, token
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.token is not None and scope["path"].startswith("/v1/"):
+            # compare_digest: the time taken does not depend on how much of the token matched
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.token):
+                body = {"error": "unauthorized", "field": "Authorization",
+                        "detail": "missing or wrong bearer token"}
+                return await _json(body, 401, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        length = headers.get(b"content-length")
+        too_big = length is not None and (not length.isdigit() or int(length) > self.limit)
+        chunks, total, more = [], 0, not too_big
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunk = msg.get("body", b"")
+            total += len(chunk)
+            if total > self.limit:
+                too_big = True
+                break
+            chunks.append(chunk)
+            more = msg.get("more_body", False)
+        if too_big:
+            err = schema.InputError("body", f"body exceeds max_body_bytes={self.limit}", 413)
+            return await _error(err)(scope, receive, send)
+        body, sent = b"".join(chunks), False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def model_info(engine) -> dict:
+    cfg = engine.config
+    return {"num_experts": cfg.num_experts, "top_k": cfg.top_k, "num_moe_layers": len(engine.moe_layer_ids),
+            "moe_layer_ids": list(engine.moe_layer_ids), "vocab_size": cfg.vocab_size,
+            "max_seq_len": int(engine.max_seq_len), "weight_version": int(engine.weight_version)}
+
+
+def _jsonable(obj: Any) -> Any:
+    try:
+        json.dumps(obj)
+        return obj
+    except (TypeError, ValueError):
+        return repr(obj)
+
+
+def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_batch_size: int | None = None, max_wait_s: float = 0.002,
+               load_weights: Callable[[str, str, Any], Any] | None = None) -> FastAPI:
+    """The ASGI app serving ``engine``.
+
+    max_batch_size: requests per engine call (default ``engine.max_batch_size``). max_wait_s: how long
+    a batch waits for more requests once the first arrived (bounded; a busy engine batches anyway).
+    load_weights: ``(path, format, engine) -> params state`` for ``POST /v1/weights`` (default
+    :func:`r3jax.serve.weights.load_state`); it runs in a worker thread while generation continues,
+    then ``engine.set_weights`` runs between two batches.
+    """
+    if load_weights is None:
+        from r3jax.serve.weights import load_state as load_weights
+    batcher = Batcher(engine, max_batch_size=max_batch_size or int(engine.max_batch_size),
+                      max_wait_s=max_wait_s)
+    limits = schema.Limits(vocab_size=engine.config.vocab_size, max_seq_len=int(engine.max_seq_len))
+    layers = list(engine.moe_layer_ids)
+    weights_lock = asyncio.Lock()
+    sessions: collections.OrderedDict[str, int] = collections.OrderedDict()  # requests per session_id
+    token = None if api_key is None else f"Bearer {api_key}".encode()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        batcher.start()
+        try:
+            yield
+        finally:
+            await batcher.stop()  # uvicorn has already let in-flight requests finish (or timed out)
+
+    app = FastAPI(title="r3jax inference server", version="1", lifespan=lifespan,
+                  description=__doc__, docs_url=None, redoc_url=None)
+    app.state.engine, app.state.batcher = engine, batcher
+
+    app.add_middleware(Guard, limit=max_body_bytes, token=token)
+
+    @app.exception_handler(schema.InputError)
+    async def input_error(request, err: schema.InputError):
+        return _error(err)
+
+    @app.get("/health")
+    async def health():
+        if batcher.closing:
+            return _json({"status": "shutting_down"}, 503, {"Retry-After": "1"})
+        return {"status": "ok", "weight_version": int(engine.weight_version)}
+
+    @app.get("/v1/model", response_model=schema.ModelInfo)
+    async def get_model():
+        return model_info(engine)
+
+    @app.get("/v1/stats")
+    async def stats():
+        return {**batcher.stats, "queued": batcher.queued, "sessions": dict(sessions),
+                "engine": _jsonable(dict(getattr(engine, "stats", {}) or {}))}
+
+    @app.post("/v1/generate", responses={200: {"model": schema.GenerateResponse},
+                                         422: {"description": "invalid field"}},
+              openapi_extra=_body_schema("GenerateBody"))
+    async def generate(request: Request):
+        body = schema.parse_json(await request.body(), schema.GenerateBody)
+        req = schema.to_request(body, limits)
+        if req.session_id is not None:  # the last MAX_SESSIONS sessions, for load reports and tests
+            sessions[req.session_id] = sessions.pop(req.session_id, 0) + 1
+            if len(sessions) > MAX_SESSIONS:
+                sessions.popitem(last=False)
+        try:
+            out = await batcher.submit(req)
+        except ShuttingDown as e:
+            return _json({"error": "unavailable", "detail": str(e)}, 503, {"Retry-After": "1"})
+        except ValueError as e:  # the engine refused it: still the client's input
+            raise schema.engine_error(e) from None
+        binary = BINARY_MEDIA_TYPE in request.headers.get("accept", "")
+        obj, frame = schema.output_json(out, layers, binary_routes=binary)
+        if not binary:
+            return _json(obj)
+        head = json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
+        return Response(struct.pack("<I", len(head)) + head + frame, media_type=BINARY_MEDIA_TYPE)
+
+    @app.post("/v1/weights", openapi_extra=_body_schema("WeightsBody"))
+    async def weights(request: Request):
+        body = schema.parse_json(await request.body(), schema.WeightsBody)
+        async with weights_lock:  # one load at a time; generation keeps running meanwhile
+            try:
+                state = await asyncio.to_thread(load_weights, body.path, body.format, engine)
+            except schema.InputError:
+                raise
+            except Exception as e:  # a missing or mismatched checkpoint is bad input, not a crash
+                log.warning("weights load failed: %s", e)
+                raise schema.InputError("path", f"path={body.path!r} ({body.format}): "
+                                        f"{type(e).__name__}: {e}") from None
+            version = await batcher.run_exclusive(lambda: engine.set_weights(state))
+        return {"weight_version": int(version)}
+
+    _register_body_schemas(app, schema.GenerateBody, schema.WeightsBody)
+    return app
+
+
+def _body_schema(name: str) -> dict:
+    ref = {"$ref": f"#/components/schemas/{name}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _register_body_schemas(app: FastAPI, *models) -> None:
+    """Bodies are parsed by hand (so every error names its field); publish their schemas anyway."""
+    base = app.openapi
+
+    def openapi():
+        if app.openapi_schema is None:
+            spec = base()
+            comps = spec.setdefault("components", {}).setdefault("schemas", {})
+            for m in models:
+                s = m.model_json_schema(ref_template="#/components/schemas/{model}")
+                comps.update(s.pop("$defs", {}))
+                comps[m.__name__] = s
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi

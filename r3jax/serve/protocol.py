@@ -1,0 +1,209 @@
+"""Client-side codecs: a ``GenerateRequest`` as an HTTP body, and a response as a checked
+``GenerateOutput``, for the r3jax server (JSON or binary routes) and for SGLang's native ``/generate``.
+
+Every decoded output is checked against the request before it is returned: G >= 1 tokens (at most
+max_tokens) in ``[0, V)``, G logprobs when asked for, and route rows obeying DESIGN.md §3 — exactly
+``P - s + G - 1`` rows of ``[L, K]`` ids < E starting at s, from the served MoE layers. A server that
+breaks the contract raises :class:`ProtocolError`; nothing is silently trimmed or padded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from typing import Any
+
+import numpy as np
+
+from r3jax import routes as routes_lib
+
+BINARY_MEDIA_TYPE = "application/vnd.r3jax.generate+binary"  # the app imports it from here
+
+
+class ProtocolError(RuntimeError):
+    """The server's answer breaks the wire contract (wrong row count, bad fields); not retried."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    """What the client needs to check routes: E, K and the MoE layer ids (L = len(moe_layer_ids))."""
+
+    num_experts: int
+    top_k: int
+    moe_layer_ids: tuple[int, ...]
+    vocab_size: int | None = None
+    max_seq_len: int | None = None
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "ServedModel":
+        try:
+            return cls(int(obj["num_experts"]), int(obj["top_k"]), tuple(int(i) for i in obj["moe_layer_ids"]),
+                       obj.get("vocab_size"), obj.get("max_seq_len"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"model info {obj!r}: missing or bad field ({e})") from None
+
+
+def check_start(request) -> int:
+    """``routed_experts_prompt_start`` as an int in ``[0, len(prompt_ids)]`` (not a bool), or ValueError."""
+    s, p = request.routed_experts_prompt_start, len(request.prompt_ids)
+    if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)) or not 0 <= s <= p:
+        raise ValueError(f"routed_experts_prompt_start={s!r}: expected an int in [0, P={p}] "
+                         "(P = number of prompt tokens)")
+    return int(s)
+
+
+def _ints(name: str, values) -> list[int]:
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise ValueError(f"{name}[{i}]={v!r}: expected an int")
+        out.append(int(v))
+    return out
+
+
+def request_body(request) -> dict:
+    """The r3jax ``/v1/generate`` body (DESIGN.md §5)."""
+    return {"prompt_ids": _ints("prompt_ids", request.prompt_ids),
+            "sampling_params": {"max_tokens": request.max_tokens, "temperature": float(request.temperature),
+                                "top_p": float(request.top_p), "top_k": request.top_k, "seed": request.seed,
+                                "stop_token_ids": _ints("stop_token_ids", request.stop_token_ids),
+                                "routed_experts_prompt_start": check_start(request)},
+            "return_routed_experts": bool(request.return_routed_experts),
+            "return_logprobs": bool(request.return_logprobs), "session_id": request.session_id}
+
+
+def sglang_body(request) -> dict:
+    """SGLang's native ``/generate`` body (``input_ids``; top_k -1 means off there)."""
+    sp = {"max_new_tokens": request.max_tokens, "temperature": float(request.temperature),
+          "top_p": float(request.top_p), "top_k": request.top_k if request.top_k > 0 else -1,
+          "stop_token_ids": _ints("stop_token_ids", request.stop_token_ids)}
+    if request.seed is not None:
+        sp["sampling_seed"] = request.seed
+    check_start(request)
+    return {"input_ids": _ints("prompt_ids", request.prompt_ids), "sampling_params": sp,
+            "return_logprob": bool(request.return_logprobs),
+            "return_routed_experts": bool(request.return_routed_experts)}
+
+
+def _field(obj: dict, key: str, kind, where: str):
+    if key not in obj:
+        raise ProtocolError(f"{where}: missing field {key!r}")
+    value = obj[key]
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ProtocolError(f"{where}.{key}={value!r}: expected an int")
+    if kind is list and not isinstance(value, list):
+        raise ProtocolError(f"{where}.{key}={value!r}: expected a list")
+    return value
+
+
+def _routes(routes, start, layers, request, g: int, info: ServedModel, where: str) -> np.ndarray:
+    s, p = int(request.routed_experts_prompt_start), len(request.prompt_ids)
+    want = (p - s + g - 1, len(info.moe_layer_ids), info.top_k)
+    if routes.shape != want:
+        raise ProtocolError(f"{where}: routed_experts shape {list(routes.shape)}: expected {list(want)} "
+                            f"= [P - s + G - 1 = {p} - {s} + {g} - 1, L, K]")
+    if start is not None and start != s:
+        raise ProtocolError(f"{where}: routed_experts start={start}: expected s={s}")
+    if layers is not None and tuple(layers) != info.moe_layer_ids:
+        raise ProtocolError(f"{where}: routed_experts layers={list(layers)}: expected the served MoE "
+                            f"layers {list(info.moe_layer_ids)}")
+    return routes
+
+
+def _output(obj: dict, routes, request, info: ServedModel, where: str):
+    from r3jax.engine import GenerateOutput  # deferred: the client itself needs no JAX
+
+    ids = _ints("output_ids", _field(obj, "output_ids", list, where))
+    g = len(ids)
+    if not 1 <= g <= request.max_tokens:
+        raise ProtocolError(f"{where}: {g} output_ids: expected 1..max_tokens={request.max_tokens}")
+    if info.vocab_size is not None and any(not 0 <= t < info.vocab_size for t in ids):
+        raise ProtocolError(f"{where}: output_ids {ids}: expected ids in [0, {info.vocab_size})")
+    logprobs = obj.get("logprobs")
+    if request.return_logprobs:
+        if not isinstance(logprobs, list) or len(logprobs) != g:
+            raise ProtocolError(f"{where}: logprobs={logprobs!r}: expected {g} floats (one per output id)")
+        logprobs = [float(x) for x in logprobs]
+    else:
+        logprobs = None
+    finish = obj.get("finish_reason")
+    if finish not in ("stop", "length"):
+        raise ProtocolError(f"{where}: finish_reason={finish!r}: expected 'stop' or 'length'")
+    if request.return_routed_experts:
+        if routes is None:
+            raise ProtocolError(f"{where}: routed_experts missing: the request asked for them")
+        routes = _routes(*routes, request, g, info, where)
+    else:
+        routes = None
+    return GenerateOutput(output_ids=ids, logprobs=logprobs, finish_reason=finish, routed_experts=routes,
+                          prompt_tokens=int(obj.get("prompt_tokens", len(request.prompt_ids))),
+                          cached_tokens=int(obj.get("cached_tokens", 0)),
+                          weight_version=int(obj.get("weight_version", 0)),
+                          routed_experts_start=int(request.routed_experts_prompt_start))
+
+
+def parse_response(content: bytes, media_type: str, request, info: ServedModel, where: str):
+    """An r3jax ``/v1/generate`` response (JSON or binary framing) → checked ``GenerateOutput``.
+
+    Also reads SkyRL's routes form (``{data, shape, dtype}`` without start/layers)."""
+    try:
+        if media_type.startswith(BINARY_MEDIA_TYPE):
+            (n,) = struct.unpack_from("<I", content)
+            obj = json.loads(content[4:4 + n])
+            frame = content[4 + n:]
+            if len(frame) != obj.get("routed_experts_binary", -1):
+                raise ProtocolError(f"{where}: {len(frame)} route bytes after the JSON: expected "
+                                    f"routed_experts_binary={obj.get('routed_experts_binary')}")
+            routes = routes_lib.decode_binary(frame, info.num_experts) if frame else None
+        else:
+            obj = json.loads(content)
+            wire = obj.get("routed_experts") if isinstance(obj, dict) else None
+            routes = None
+            if wire is not None:
+                arr = routes_lib.decode(wire, info.num_experts)
+                routes = (arr, wire.get("start"), wire.get("layers"))
+    except ProtocolError:
+        raise
+    except (ValueError, struct.error) as e:  # bad JSON, bad base64, byte counts, ids >= E
+        raise ProtocolError(f"{where}: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{where}: response is a JSON {type(obj).__name__}: expected an object")
+    return _output(obj, routes, request, info, where)
+
+
+def parse_sglang(content: bytes, request, info: ServedModel, where: str):
+    """SGLang's ``/generate`` response → checked ``GenerateOutput``.
+
+    SGLang returns ``meta_info.routed_experts`` for the whole sequence (rows ``[0, P + G - 1)``, int32
+    base64); the client keeps rows ``[s, P + G - 1)`` so the output obeys the same contract."""
+    try:
+        obj = json.loads(content)
+        meta = obj["meta_info"]
+        ids = obj.get("output_ids")
+        if ids is None:
+            ids = [t[1] for t in meta["output_token_logprobs"]]
+        finish = meta["finish_reason"]
+        finish = finish.get("type") if isinstance(finish, dict) else finish
+        lps = meta.get("output_token_logprobs")
+        out = {"output_ids": ids, "finish_reason": finish,
+               "logprobs": None if lps is None else [t[0] for t in lps],
+               "prompt_tokens": meta.get("prompt_tokens", len(request.prompt_ids)),
+               "cached_tokens": meta.get("cached_tokens", 0)}
+        version = meta.get("weight_version", 0)
+        out["weight_version"] = int(version) if str(version).lstrip("-").isdigit() else 0
+        routes = None
+        if meta.get("routed_experts") is not None:
+            full = routes_lib.decode_sglang(meta["routed_experts"], len(info.moe_layer_ids), info.top_k)
+            p, g = len(request.prompt_ids), len(ids)
+            if full.shape[0] != p + g - 1:
+                raise ProtocolError(f"{where}: SGLang routed_experts has {full.shape[0]} rows: expected "
+                                    f"P + G - 1 = {p + g - 1}")
+            routes_lib.check_ids(full, info.num_experts)
+            s = int(request.routed_experts_prompt_start)
+            routes = (full[s:].astype(routes_lib.route_dtype(info.num_experts)), s, None)
+    except ProtocolError:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise ProtocolError(f"{where}: not an SGLang /generate response ({type(e).__name__}: {e})") from None
+    return _output(out, routes, request, info, where)

@@ -1,0 +1,264 @@
+"""Wire schema of the inference server: request bodies → ``GenerateRequest``, outputs → JSON.
+
+Two stages, so every rejection names its field:
+
+1. :class:`GenerateBody` (pydantic, strict, no extra fields) checks types: ints are ints (not bools,
+   not floats), floats are finite numbers, lists are lists. It is also the OpenAPI schema.
+2. :func:`to_request` checks values against the served model (:class:`Limits`): token ids in
+   ``[0, V)``, ``1 <= max_tokens``, ``P + max_tokens <= max_seq_len``,
+   ``0 <= routed_experts_prompt_start <= P`` (DESIGN.md §3), sampling ranges.
+
+Failures raise :class:`InputError` (field, message), which the app turns into a 4xx JSON body
+``{"error": "invalid_request", "field": ..., "detail": ...}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from r3jax import routes as routes_lib
+
+MAX_SEED = 2**64 - 1  # the engine turns a seed into a 64-bit PRNG key
+MAX_STOP_TOKENS = 64
+MAX_SESSION_ID = 256
+
+
+class InputError(ValueError):
+    """Bad client input: ``field`` (dotted path, e.g. ``sampling_params.max_tokens``), a message, a
+    status code (422 unless the body is not JSON at all: 400, or too large: 413)."""
+
+    def __init__(self, field: str, message: str, status: int = 422):
+        super().__init__(message)
+        self.field, self.message, self.status = field, message, status
+
+    def body(self) -> dict:
+        return {"error": "invalid_request", "field": self.field, "detail": self.message}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class SamplingParams(_Strict):
+    """Sampling controls; the defaults are :class:`r3jax.engine.GenerateRequest`'s."""
+
+    max_tokens: int = Field(16, description="new tokens to sample, >= 1; P + max_tokens <= max_seq_len")
+    temperature: float = Field(1.0, allow_inf_nan=False, description=">= 0; 0 is greedy")
+    top_p: float = Field(1.0, allow_inf_nan=False, description="in (0, 1]")
+    top_k: int = Field(0, description="0 (off) or in [1, vocab_size]")
+    seed: int | None = Field(None, description=f"in [0, {MAX_SEED}]; same seed, same output")
+    stop_token_ids: list[int] = Field(default_factory=list, description="ids in [0, vocab_size)")
+    routed_experts_prompt_start: int = Field(
+        0, description="s in [0, len(prompt_ids)]: routes come back for positions [s, P + G - 1)")
+
+
+class GenerateBody(_Strict):
+    """``POST /v1/generate`` body (DESIGN.md §5)."""
+
+    prompt_ids: list[int] = Field(description="prompt token ids, each in [0, vocab_size); not empty")
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    return_routed_experts: bool = False
+    return_logprobs: bool = True
+    session_id: str | None = Field(None, description=f"sticky-routing / cache key, <= {MAX_SESSION_ID} chars")
+
+
+class WeightsBody(_Strict):
+    """``POST /v1/weights`` body: a local directory to load, and its format."""
+
+    path: str = Field(description="directory on the server's file system")
+    format: Literal["orbax", "safetensors"]
+
+
+class RoutesWire(BaseModel):
+    """Route payload (DESIGN.md §3): base64 of the C-order bytes, shape [rows, L, K], dtype, start, layers."""
+
+    data: str
+    shape: list[int]
+    dtype: str
+    start: int
+    layers: list[int]
+
+
+class GenerateResponse(BaseModel):
+    """``POST /v1/generate`` response (documented in OpenAPI; built by :func:`output_json`)."""
+
+    output_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: Literal["stop", "length"]
+    routed_experts: RoutesWire | None
+    prompt_tokens: int
+    cached_tokens: int
+    weight_version: int
+
+
+class ModelInfo(BaseModel):
+    """``GET /v1/model`` response."""
+
+    num_experts: int
+    top_k: int
+    num_moe_layers: int
+    moe_layer_ids: list[int]
+    vocab_size: int
+    max_seq_len: int
+    weight_version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What the served model accepts: vocabulary size and the engine's maximum sequence length."""
+
+    vocab_size: int
+    max_seq_len: int
+
+
+def _field(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "body"
+
+
+def _get(obj: Any, loc: tuple) -> Any:
+    for part in loc:
+        try:
+            obj = obj[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return obj
+
+
+def _short(value: Any) -> str:
+    try:
+        text = json.dumps(value)  # show the value as the client wrote it (true, null)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def parse_json(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    """Bytes → validated ``model``; raises :class:`InputError` naming the first offending field."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        msg = getattr(e, "msg", None) or type(e).__name__
+        raise InputError("body", f"body is not valid JSON ({msg})", 400) from None
+    if not isinstance(obj, dict):
+        raise InputError("body", f"body is a JSON {type(obj).__name__}: expected an object", 422)
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc = tuple(err["loc"])
+        field = _field(loc)
+        if err["type"] == "missing":
+            raise InputError(field, f"{field}: required field is missing") from None
+        if err["type"] == "extra_forbidden":
+            raise InputError(field, f"{field}: unknown field (expected one of "
+                             f"{sorted(_fields_at(model, loc[:-1]))})") from None
+        raise InputError(field, f"{field}={_short(_get(obj, loc))}: {err['msg']}") from None
+    except RecursionError:
+        raise InputError("body", "body is nested too deeply", 422) from None
+
+
+def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        ann = model.model_fields[part].annotation
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def _in_range(field: str, value: int, lo: int, hi: int, why: str = "") -> None:
+    if not lo <= value <= hi:
+        raise InputError(field, f"{field}={value}: expected an int in [{lo}, {hi}]{why}")
+
+
+def to_request(body: GenerateBody, limits: Limits):
+    """Value checks against the served model, then the engine's ``GenerateRequest``."""
+    from r3jax.engine import GenerateRequest  # deferred: schema stays importable without JAX
+
+    prompt, sp = body.prompt_ids, body.sampling_params
+    vocab, max_len = limits.vocab_size, limits.max_seq_len
+    if not prompt:
+        raise InputError("prompt_ids", "prompt_ids=[]: expected at least one token id")
+    if len(prompt) >= max_len:
+        raise InputError("prompt_ids", f"prompt_ids has {len(prompt)} tokens: expected at most "
+                         f"max_seq_len - 1 = {max_len - 1}")
+    for i, tok in enumerate(prompt):
+        if not 0 <= tok < vocab:
+            raise InputError(f"prompt_ids[{i}]", f"prompt_ids[{i}]={tok}: expected a token id in "
+                             f"[0, vocab_size={vocab})")
+    _in_range("sampling_params.max_tokens", sp.max_tokens, 1, max_len - len(prompt),
+              f" (max_seq_len {max_len} - prompt length {len(prompt)})")
+    if not sp.temperature >= 0:
+        raise InputError("sampling_params.temperature",
+                         f"sampling_params.temperature={sp.temperature}: expected >= 0")
+    if not 0 < sp.top_p <= 1:
+        raise InputError("sampling_params.top_p", f"sampling_params.top_p={sp.top_p}: expected in (0, 1]")
+    _in_range("sampling_params.top_k", sp.top_k, 0, vocab, " (0 turns top-k off)")
+    if sp.seed is not None:
+        _in_range("sampling_params.seed", sp.seed, 0, MAX_SEED)
+    if len(sp.stop_token_ids) > MAX_STOP_TOKENS:
+        raise InputError("sampling_params.stop_token_ids", f"sampling_params.stop_token_ids has "
+                         f"{len(sp.stop_token_ids)} ids: expected at most {MAX_STOP_TOKENS}")
+    for i, tok in enumerate(sp.stop_token_ids):
+        _in_range(f"sampling_params.stop_token_ids[{i}]", tok, 0, vocab - 1)
+    _in_range("sampling_params.routed_experts_prompt_start", sp.routed_experts_prompt_start, 0,
+              len(prompt), " (0 <= s <= len(prompt_ids))")
+    if body.session_id is not None and len(body.session_id) > MAX_SESSION_ID:
+        raise InputError("session_id", f"session_id has {len(body.session_id)} chars: expected at "
+                         f"most {MAX_SESSION_ID}")
+    request = GenerateRequest(
+        prompt_ids=list(prompt), max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+        top_k=sp.top_k, seed=sp.seed, stop_token_ids=tuple(sp.stop_token_ids),
+        return_logprobs=body.return_logprobs, return_routed_experts=body.return_routed_experts,
+        routed_experts_prompt_start=sp.routed_experts_prompt_start, session_id=body.session_id)
+    try:  # the engine's own checks, as a backstop: same rules, so this should never fire
+        request.validate(vocab_size=vocab, max_seq_len=max_len)
+    except ValueError as e:
+        raise engine_error(e) from None
+    return request
+
+
+_SAMPLING = set(SamplingParams.model_fields)
+
+
+def engine_error(err: ValueError) -> InputError:
+    """An engine ValueError ("name=value: expected ...") as an InputError naming the body field."""
+    msg = re.sub(r"^requests\[\d+\]\.", "", str(err))  # Engine.generate prefixes the request index
+    m = re.match(r"([A-Za-z_]\w*)", msg)
+    name = m.group(1) if m else "body"
+    field = f"sampling_params.{name}" if name in _SAMPLING else (name if m else "body")
+    return InputError(field, msg)
+
+
+def output_json(out, layers: list[int], *, binary_routes: bool = False) -> tuple[dict, bytes]:
+    """A ``GenerateOutput`` as the response dict, plus the binary route frame when asked for.
+
+    JSON mode: ``routed_experts`` is the wire form (or None), the trailing bytes are empty.
+    Binary mode: ``routed_experts`` is None and ``routed_experts_binary`` holds the byte length of
+    the :func:`r3jax.routes.encode_binary` frame returned second (0 when no routes were asked for).
+    """
+    routes = out.routed_experts
+    start = int(getattr(out, "routed_experts_start", 0) or 0)
+    obj = {"output_ids": [int(t) for t in out.output_ids],
+           "logprobs": None if out.logprobs is None else [float(x) for x in out.logprobs],
+           "finish_reason": out.finish_reason, "routed_experts": None,
+           "prompt_tokens": int(out.prompt_tokens), "cached_tokens": int(out.cached_tokens),
+           "weight_version": int(out.weight_version)}
+    frame = b""
+    if routes is not None and binary_routes:
+        frame = routes_lib.encode_binary(routes, start, layers)
+    elif routes is not None:
+        obj["routed_experts"] = routes_lib.encode(routes, start, layers)
+    if binary_routes:
+        obj["routed_experts_binary"] = len(frame)
+    return obj, frame

@@ -1,0 +1,134 @@
+"""Helpers for the serving tests: uvicorn in a background thread or a subprocess on a free loopback
+port, readiness by polling GET /health, and a deterministic fake engine for client-logic tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def wait_healthy(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
+    """Poll ``GET /health`` until it answers 200 (or fail after ``timeout`` s / if ``proc`` died)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url}/health did not answer within {timeout} s")
+        time.sleep(0.02)
+
+
+class ThreadServer:
+    """uvicorn running ``app`` in a daemon thread on 127.0.0.1 (port 0: a free one)."""
+
+    def __init__(self, app, port: int = 0, graceful_timeout: float = 10.0):
+        import uvicorn
+
+        from r3jax.serve.server import bind
+
+        self.sock = bind("127.0.0.1", port)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False,
+                                                    timeout_graceful_shutdown=graceful_timeout))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        wait_healthy(self.url, timeout=60)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "server thread did not stop"
+
+
+@contextlib.contextmanager
+def thread_server(app, port: int = 0, **kw):
+    srv = ThreadServer(app, port, **kw)
+    try:
+        yield srv
+    finally:
+        if srv.thread.is_alive():
+            srv.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_process(port: int, *args: str, cache_dir: Path) -> subprocess.Popen:
+    """``python -m r3jax serve --model tiny`` in a subprocess. A persistent JAX compilation cache in
+    ``cache_dir`` (shared by the test's server processes only) makes restarts cheap."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+           "XLA_FLAGS": ""}
+    cmd = [sys.executable, "-m", "r3jax", "serve", "--model", "tiny", "--host", "127.0.0.1",
+           "--port", str(port), *args]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+class FakeEngine:
+    """Engine stand-in (no JAX): token t of a reply is (sum(prompt) + t) % V; route row i is
+    ``(i + l + k) % E``; ``gate`` (a threading.Event) can hold every generate call."""
+
+    def __init__(self, max_seq_len: int = 64, max_batch_size: int = 4):
+        from models import MoeConfig
+
+        self.config = MoeConfig.tiny()
+        self.max_seq_len, self.max_batch_size = max_seq_len, max_batch_size
+        self.moe_layer_ids = self.config.moe_layer_ids
+        self.weight_version, self.batches, self.gate = 0, [], None
+        self.stats = {"requests": 0}
+
+    def generate(self, requests):
+        from r3jax.engine import GenerateOutput
+        from r3jax.routes import route_dtype
+
+        if self.gate is not None:
+            self.gate.wait(30)
+        self.batches.append(len(requests))
+        outs = []
+        for r in requests:
+            r.validate(vocab_size=self.config.vocab_size, max_seq_len=self.max_seq_len)
+            p, g, s = len(r.prompt_ids), r.max_tokens, r.routed_experts_prompt_start
+            lk = np.add.outer(np.arange(2), np.arange(2))
+            rows = ((np.arange(p + g - 1)[:, None, None] + lk) % 8).astype(route_dtype(8))
+            outs.append(GenerateOutput(
+                [(sum(r.prompt_ids) + t) % self.config.vocab_size for t in range(g)],
+                [-0.5 * t for t in range(g)] if r.return_logprobs else None, "length",
+                rows[s:] if r.return_routed_experts else None, p, 0, self.weight_version, s))
+        self.stats["requests"] += len(requests)
+        return outs
+
+    def set_weights(self, state) -> int:
+        self.weight_version += 1
+        return self.weight_version
+
+
+@pytest.fixture(scope="session")
+def serve_helpers():
+    """The helpers above, as one namespace (test modules cannot import this conftest)."""
+    class H:
+        pass
+    h = H()
+    h.wait_healthy, h.thread_server, h.ThreadServer = wait_healthy, thread_server, ThreadServer
+    h.free_port, h.start_process, h.FakeEngine = free_port, start_process, FakeEngine
+    return h

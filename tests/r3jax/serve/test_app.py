@@ -1,0 +1,273 @@
+"""The HTTP server around the real tiny Engine (uvicorn in a thread on a free loopback port):
+round trip equals the in-process engine, every bad input is a 4xx naming its field, a fuzz finds no
+5xx, auth, model info / OpenAPI, and weight updates from orbax and safetensors directories."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from models import MoeConfig, MoeTransformer
+from r3jax.engine import Engine, GenerateRequest
+from r3jax.serve import RemoteInferenceClient, RemoteInputError, create_app
+
+MAX_SEQ_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    return MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def served(serve_helpers, model):
+    engine = Engine(model, max_seq_len=MAX_SEQ_LEN, max_batch_size=4)
+    with serve_helpers.thread_server(create_app(engine, max_body_bytes=64 << 10)) as srv:
+        yield engine, srv.url
+
+
+@pytest.fixture(scope="module")
+def http(served):
+    with httpx.Client(base_url=served[1], timeout=60) as client:
+        yield client
+
+
+def same(a, b) -> None:
+    """Two GenerateOutputs are equal field by field (routes: values and dtype)."""
+    assert (a.output_ids, a.logprobs, a.finish_reason) == (b.output_ids, b.logprobs, b.finish_reason)
+    assert (a.prompt_tokens, a.cached_tokens, a.weight_version, a.routed_experts_start) == \
+        (b.prompt_tokens, b.cached_tokens, b.weight_version, b.routed_experts_start)
+    if b.routed_experts is None:
+        assert a.routed_experts is None
+    else:
+        assert a.routed_experts.dtype == b.routed_experts.dtype
+        np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
+
+
+REQUESTS = [
+    GenerateRequest([5, 6, 7, 8, 9], max_tokens=4, temperature=0.0, return_routed_experts=True),
+    GenerateRequest([5, 6, 7, 8, 9], max_tokens=4, temperature=0.0, return_routed_experts=True,
+                    routed_experts_prompt_start=3, session_id="a"),
+    GenerateRequest([11, 3], max_tokens=4, temperature=0.0, return_routed_experts=True, routed_experts_prompt_start=2),
+    GenerateRequest([1, 2, 3], max_tokens=4, temperature=0.9, top_k=20, top_p=0.9, seed=123, stop_token_ids=(7, 9),
+                    return_routed_experts=True, routed_experts_prompt_start=1),
+    GenerateRequest([4, 4, 4], max_tokens=3, seed=7, return_logprobs=False),
+]
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_round_trip_equals_in_process_engine(served, binary):
+    engine, url = served
+    with RemoteInferenceClient(url, binary_routes=binary) as client:
+        for req in REQUESTS:  # one at a time: the same batch shape as the in-process call
+            [remote] = client.generate([req])
+            [local] = engine.generate([req])
+            same(remote, local)
+            if req.return_routed_experts:
+                p, s, g = len(req.prompt_ids), req.routed_experts_prompt_start, len(remote.output_ids)
+                assert remote.routed_experts.shape == (p - s + g - 1, 2, 2)
+
+
+def test_json_wire_form(served):
+    engine, url = served
+    body = {"prompt_ids": [5, 6, 7, 8, 9], "sampling_params": {"max_tokens": 4, "temperature": 0.0,
+                                                               "routed_experts_prompt_start": 3},
+            "return_routed_experts": True}
+    r = httpx.post(url + "/v1/generate", json=body)
+    assert r.status_code == 200, r.text
+    obj = r.json()
+    assert set(obj) == {"output_ids", "logprobs", "finish_reason", "routed_experts", "prompt_tokens",
+                        "cached_tokens", "weight_version"}
+    wire = obj["routed_experts"]
+    assert (wire["shape"], wire["dtype"], wire["start"], wire["layers"]) == ([5 - 3 + 4 - 1, 2, 2], "uint8", 3, [1, 2])
+    [local] = engine.generate([REQUESTS[1]])
+    assert obj["output_ids"] == local.output_ids and obj["logprobs"] == local.logprobs
+
+
+def body(**sp):
+    return {"prompt_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, **sp}}
+
+
+BAD = [  # (raw body or JSON object, status, field)
+    (b"{not json", 400, "body"),
+    (b"\xff\xfe", 400, "body"),
+    (b"[" * 50_000, 400, "body"),
+    ([1, 2], 422, "body"),
+    ({}, 422, "prompt_ids"),
+    ({"prompt_ids": "1 2 3"}, 422, "prompt_ids"),
+    ({"prompt_ids": []}, 422, "prompt_ids"),
+    ({"prompt_ids": [1, True]}, 422, "prompt_ids[1]"),
+    ({"prompt_ids": [1, 2.0]}, 422, "prompt_ids[1]"),
+    ({"prompt_ids": [1, 272]}, 422, "prompt_ids[1]"),
+    ({"prompt_ids": [-1]}, 422, "prompt_ids[0]"),
+    ({"prompt_ids": [1] * MAX_SEQ_LEN}, 422, "prompt_ids"),
+    ({"prompt_ids": [1], "extra": 1}, 422, "extra"),
+    ({"prompt_ids": [1], "sampling_params": []}, 422, "sampling_params"),
+    (body(max_token=3), 422, "sampling_params.max_token"),
+    (body(max_tokens=True), 422, "sampling_params.max_tokens"),
+    (body(max_tokens=2.0), 422, "sampling_params.max_tokens"),
+    (body(max_tokens=0), 422, "sampling_params.max_tokens"),
+    (body(max_tokens=MAX_SEQ_LEN - 2), 422, "sampling_params.max_tokens"),
+    (body(max_tokens=10**30), 422, "sampling_params.max_tokens"),
+    (body(routed_experts_prompt_start=-1), 422, "sampling_params.routed_experts_prompt_start"),
+    (body(routed_experts_prompt_start=4), 422, "sampling_params.routed_experts_prompt_start"),
+    (body(routed_experts_prompt_start=False), 422, "sampling_params.routed_experts_prompt_start"),
+    (body(routed_experts_prompt_start="0"), 422, "sampling_params.routed_experts_prompt_start"),
+    (body(temperature=-0.5), 422, "sampling_params.temperature"),
+    (body(temperature="hot"), 422, "sampling_params.temperature"),
+    (b'{"prompt_ids": [1], "sampling_params": {"temperature": NaN}}', 422, "sampling_params.temperature"),
+    (b'{"prompt_ids": [1], "sampling_params": {"top_p": Infinity}}', 422, "sampling_params.top_p"),
+    (body(top_p=0.0), 422, "sampling_params.top_p"),
+    (body(top_k=-1), 422, "sampling_params.top_k"),
+    (body(seed=-1), 422, "sampling_params.seed"),
+    (body(seed=2**64), 422, "sampling_params.seed"),
+    (body(stop_token_ids=[1, 999]), 422, "sampling_params.stop_token_ids[1]"),
+    (body(stop_token_ids=5), 422, "sampling_params.stop_token_ids"),
+    ({"prompt_ids": [1], "return_routed_experts": 1}, 422, "return_routed_experts"),
+    ({"prompt_ids": [1], "return_logprobs": "yes"}, 422, "return_logprobs"),
+    ({"prompt_ids": [1], "session_id": 5}, 422, "session_id"),
+    ({"prompt_ids": [1], "session_id": "s" * 300}, 422, "session_id"),
+    (b'{"prompt_ids": [' + b"1," * 40_000 + b"1]}", 413, "body"),
+]
+
+
+@pytest.mark.parametrize("raw,status,field", BAD, ids=[f"{i}-{f}" for i, (_, _, f) in enumerate(BAD)])
+def test_bad_input_is_4xx_naming_the_field(http, raw, status, field):
+    content = raw if isinstance(raw, bytes) else json.dumps(raw).encode()
+    r = http.post("/v1/generate", content=content, headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()
+    assert err["error"] == "invalid_request" and err["field"] == field
+    assert field.split(".")[-1].split("[")[0] in err["detail"] or field == "body"
+    assert http.get("/health").status_code == 200  # still serving
+
+
+def test_streamed_body_over_limit_is_413(served):
+    _, url = served
+
+    def chunks():  # no Content-Length: the limit must be enforced while reading
+        yield b'{"prompt_ids": ['
+        for _ in range(20):
+            yield b"1," * 4000
+        yield b"1]}"
+    r = httpx.post(url + "/v1/generate", content=chunks())
+    assert r.status_code == 413 and r.json()["field"] == "body"
+    ok = httpx.post(url + "/v1/generate", json=body(temperature=0.0))
+    assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 2
+
+
+_any = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.integers(-3, 300),
+                 st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=5),
+                 st.lists(st.integers(-5, 400), max_size=6), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+_valid_sp = st.fixed_dictionaries({"max_tokens": st.integers(1, 4)}, optional={ "temperature": st.sampled_from([0.0, 0.7, 1]), "top_p": st.sampled_from([0.5, 1.0]),
+    "top_k": st.integers(0, 50), "seed": st.one_of(st.none(), st.integers(0, 2**64 - 1)),
+    "stop_token_ids": st.lists(st.integers(0, 271), max_size=3), "routed_experts_prompt_start": st.integers(0, 1)})
+_sp = st.one_of(_valid_sp, st.dictionaries(st.sampled_from(["max_tokens", "temperature", "top_p", "top_k", "seed",
+                                                            "stop_token_ids", "routed_experts_prompt_start", "bogus"]),
+                                           _any, max_size=4), _any)
+_body = st.fixed_dictionaries(  # sampling_params always present: few distinct engine shapes
+    {"prompt_ids": st.one_of(st.lists(st.integers(0, 271), min_size=1, max_size=6), _any), "sampling_params": _sp},
+    optional={"return_routed_experts": st.one_of(st.booleans(), _any),
+              "return_logprobs": st.one_of(st.booleans(), _any), "session_id": st.one_of(st.none(), st.text(max_size=4), _any),
+              "junk": _any})
+
+
+_valid_body = st.fixed_dictionaries(
+    {"prompt_ids": st.lists(st.integers(0, 271), min_size=1, max_size=6), "sampling_params": _valid_sp},
+    optional={"return_routed_experts": st.booleans(), "return_logprobs": st.booleans(),
+              "session_id": st.one_of(st.none(), st.text(max_size=4))})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(obj=st.one_of(_valid_body, _body, _body, _any), raw=st.one_of(st.none(), st.none(), st.none(), st.binary(max_size=20)))
+def test_fuzzed_bodies_never_5xx(http, obj, raw):
+    content = raw if raw is not None else json.dumps(obj, allow_nan=True).encode()
+    r = http.post("/v1/generate", content=content)
+    event(f"HTTP {r.status_code}")
+    assert r.status_code in (200, 400, 422), r.text
+    out = r.json()
+    if r.status_code == 200:
+        assert 1 <= len(out["output_ids"]) <= obj["sampling_params"].get("max_tokens", 16)
+    else:
+        assert out["error"] == "invalid_request" and isinstance(out["field"], str) and out["detail"]
+
+
+def test_auth_on_and_off(served, serve_helpers):
+    engine, open_url = served
+    ok = {"prompt_ids": [1, 2], "sampling_params": {"max_tokens": 2, "temperature": 0.0}}
+    assert httpx.post(open_url + "/v1/generate", json=ok).status_code == 200  # auth off: no token needed
+    with serve_helpers.thread_server(create_app(engine, api_key="s3cret")) as srv:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                        {"Authorization": "Bearer s3cre"}, {"Authorization": "Bearer s3cret2"}):
+            for method, path in (("POST", "/v1/generate"), ("GET", "/v1/model"), ("POST", "/v1/weights")):
+                r = httpx.request(method, srv.url + path, json=ok, headers=headers)
+                assert r.status_code == 401 and r.json()["field"] == "Authorization", (headers, path)
+        assert httpx.get(srv.url + "/health").status_code == 200  # liveness stays open
+        r = httpx.post(srv.url + "/v1/generate", json=ok, headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200
+        req = GenerateRequest([1, 2], max_tokens=2, temperature=0.0)
+        with RemoteInferenceClient(srv.url, api_key="s3cret") as client:
+            assert client.generate([req])[0].output_ids == r.json()["output_ids"]
+        with RemoteInferenceClient(srv.url) as client, pytest.raises(RemoteInputError) as e:
+            client.generate([req])
+        assert e.value.status == 401
+
+
+def test_model_info_health_and_openapi(served):
+    engine, url = served
+    with RemoteInferenceClient(url) as client:
+        info = client.model_info()
+        assert client.health() == {url: True}
+    assert info == {"num_experts": 8, "top_k": 2, "num_moe_layers": 2, "moe_layer_ids": [1, 2], "vocab_size": 272,
+                    "max_seq_len": MAX_SEQ_LEN, "weight_version": engine.weight_version}
+    spec = httpx.get(url + "/openapi.json").json()
+    assert {"/health", "/v1/model", "/v1/generate", "/v1/weights"} <= set(spec["paths"])
+    schemas = spec["components"]["schemas"]
+    assert "prompt_ids" in schemas["GenerateBody"]["properties"]
+    assert "routed_experts_prompt_start" in schemas["SamplingParams"]["properties"]
+    assert "routed_experts" in schemas["GenerateResponse"]["properties"]
+
+
+def test_weight_updates_orbax_and_safetensors(served, model, tmp_path):
+    """Load other weights (orbax) -> outputs change; load the original ones back (safetensors) ->
+    outputs are bit-identical to before: the loaded weights are the ones served."""
+    import jax
+
+    from models.hf import save_pretrained
+    from r3jax.train import export_params
+
+    engine, url = served
+    params = nnx.state(model, nnx.Param)
+    req = GenerateRequest([5, 6, 7, 8, 9], max_tokens=3, temperature=0.0, return_routed_experts=True)
+    with RemoteInferenceClient(url) as client:
+        [before] = client.generate([req])
+        v0 = engine.weight_version
+        flipped = jax.tree.map(lambda x: -np.asarray(x), params)  # negated router logits: other experts, other tokens
+        assert client.update_weights(str(export_params(tmp_path / "orbax", flipped)), "orbax") == [v0 + 1]
+        [after] = client.generate([req])
+        assert after.weight_version == v0 + 1
+        assert not np.array_equal(after.routed_experts, before.routed_experts)
+
+        reshaped = jax.tree.map(lambda x: np.zeros(x.shape[:-1] + (x.shape[-1] + 1,), x.dtype), params)
+        for raw, field in ((b'{"path": "/nonexistent", "format": "orbax"}', "path"),
+                           (b'{"path": "/tmp", "format": "pickle"}', "format"),
+                           (b'{"path": 3, "format": "orbax"}', "path"),
+                           (json.dumps({"path": str(tmp_path / "orbax"), "format": "safetensors"}).encode(), "path"),
+                           (json.dumps({"path": str(export_params(tmp_path / "bad", reshaped)),
+                                        "format": "orbax"}).encode(), "path")):
+            r = httpx.post(url + "/v1/weights", content=raw)
+            assert r.status_code == 422 and r.json()["field"] == field, r.text
+        assert engine.weight_version == v0 + 1  # refused loads change nothing
+
+        save_pretrained(model, tmp_path / "hf")
+        assert client.update_weights(str(tmp_path / "hf"), "safetensors") == [v0 + 2]
+        [back] = client.generate([req])
+    assert back.weight_version == v0 + 2
+    assert back.output_ids == before.output_ids and back.logprobs == before.logprobs
+    np.testing.assert_array_equal(back.routed_experts, before.routed_experts)
