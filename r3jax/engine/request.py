@@ -1,0 +1,131 @@
+"""What a caller asks the engine for and what it gets back, plus the host-side validation of a request.
+
+Validation runs on the host before anything is compiled or run; every error is a ValueError whose
+message names the field, the value and the expectation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Sequence
+
+import numpy as np
+
+_SEED_LIMIT = 1 << 64  # seeds become a 64-bit PRNG key (two uint32 words)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateRequest:
+    """One prompt to continue.
+
+    ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` switch those filters off. ``seed`` makes
+    sampling reproducible per request (same seed, same output, whatever the batch). A sampled stop
+    token is included in ``output_ids`` and ends the request with finish_reason "stop".
+    ``routed_experts_prompt_start`` = s: the route rows returned are those of absolute positions
+    ``[s, P + G - 1)``. ``session_id`` is carried for callers (the prefix cache is keyed by tokens).
+    """
+
+    prompt_ids: Sequence[int]
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()
+    return_logprobs: bool = True
+    return_routed_experts: bool = False
+    routed_experts_prompt_start: int = 0
+    session_id: str | None = None
+
+    def validate(self, *, vocab_size: int, max_seq_len: int) -> np.ndarray:
+        """Check every field; return the prompt as an int32 array ``[P]``. Raises ValueError."""
+        prompt = _token_array("prompt_ids", self.prompt_ids, vocab_size)
+        if prompt.size == 0:
+            raise ValueError("prompt_ids=[]: expected at least one token id")
+        p = int(prompt.size)
+        _int_field("max_tokens", self.max_tokens, lo=1)
+        if p + self.max_tokens > max_seq_len:
+            raise ValueError(f"max_tokens={self.max_tokens}: prompt length {p} + max_tokens = "
+                             f"{p + self.max_tokens}, expected <= max_seq_len={max_seq_len}")
+        _real_field("temperature", self.temperature, lo=0.0, lo_open=False, hi=math.inf)
+        _real_field("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
+        _int_field("top_k", self.top_k, lo=0)
+        if self.seed is not None:
+            _int_field("seed", self.seed, lo=0, hi=_SEED_LIMIT - 1)
+        _token_array("stop_token_ids", self.stop_token_ids, vocab_size)
+        for name in ("return_logprobs", "return_routed_experts"):
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"{name}={value!r}: expected a bool")
+        s = self.routed_experts_prompt_start
+        if not _is_int(s) or not 0 <= s <= p:
+            raise ValueError(f"routed_experts_prompt_start={s!r}: expected an int in [0, P={p}] "
+                             f"(P = number of prompt tokens)")
+        if self.session_id is not None and not isinstance(self.session_id, str):
+            raise ValueError(f"session_id={self.session_id!r}: expected a str or None")
+        return prompt
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GenerateOutput:
+    """The continuation of one request.
+
+    output_ids: the G sampled tokens (a stop token included). logprobs: log-probability of each under
+    the temperature-1 distribution (log_softmax of the raw logits), or None if not asked for.
+    routed_experts: ``[P - s + G - 1, L, K]`` in ``r3jax.routes.route_dtype(E)``, the rows of absolute
+    positions ``[s, P + G - 1)`` (rows of prefix-cached positions are the ones recorded when those
+    tokens were first processed), or None. cached_tokens: prompt tokens whose KV came from the prefix
+    cache. routed_experts_start: s.
+    """
+
+    output_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str
+    routed_experts: np.ndarray | None
+    prompt_tokens: int
+    cached_tokens: int
+    weight_version: int
+    routed_experts_start: int
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _int_field(name, value, *, lo, hi=None):
+    if not _is_int(value) or value < lo or (hi is not None and value > hi):
+        want = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
+        raise ValueError(f"{name}={value!r}: expected {want}")
+
+
+def _real_field(name, value, *, lo, lo_open, hi):
+    ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+    ok = ok and math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi
+    if not ok:
+        bracket = "(" if lo_open else "["
+        raise ValueError(f"{name}={value!r}: expected a finite number in {bracket}{lo}, {hi}]")
+
+
+def _token_array(name, value, vocab_size) -> np.ndarray:
+    """A 1-D sequence of int token ids in [0, vocab_size) as int32 ``[N]``."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or not (value.size == 0 or np.issubdtype(value.dtype, np.integer)):
+            raise ValueError(f"{name}: array of dtype {value.dtype} and shape {value.shape}, "
+                             "expected a 1-D integer array")
+        arr = value.astype(np.int64)
+    else:
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            raise ValueError(f"{name}={value!r}: expected a sequence of int token ids")
+        for i, t in enumerate(value):
+            if not _is_int(t):
+                raise ValueError(f"{name}[{i}]={t!r}: expected an int token id")
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"{name}[{i}]={int(t)}: expected token ids in [0, vocab_size={vocab_size})")
+        return np.asarray(value, dtype=np.int32).reshape(-1)
+    bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{name}[{i}]={int(arr[i])}: expected token ids in [0, vocab_size={vocab_size})")
+    return arr.astype(np.int32)

@@ -1,0 +1,101 @@
+"""Prefix cache: a multi-turn conversation reuses KV and recorded routes, LRU eviction under a byte
+budget, duplicate prefixes in one batch, and set_weights dropping everything."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import MoeConfig
+from r3jax.engine import Engine, GenerateRequest
+
+MAX_SEQ, BLOCK = 64, 8
+V = MoeConfig.tiny().vocab_size
+
+
+def _engine(model, **kw):
+    return Engine(model, max_seq_len=MAX_SEQ, max_batch_size=4, block_size=BLOCK, prefill_chunk=32, **kw)
+
+
+def _tokens(seed, n):
+    return np.random.default_rng(seed).integers(0, V, n).tolist()
+
+
+def _conversation(engine, turns=3, first=12, user=6, gen=8):
+    """Each turn's prompt is the whole conversation so far plus new user tokens; all rows from 0."""
+    history, outs = [], []
+    for t in range(turns):
+        history = history + _tokens(100 + t, first if t == 0 else user)
+        [out] = engine.generate([GenerateRequest(prompt_ids=list(history), max_tokens=gen, temperature=0.0,
+                                                 return_routed_experts=True)])
+        outs.append(out)
+        history = history + out.output_ids
+    return outs
+
+
+def test_three_turns_with_cache_equal_without_and_prefill_far_less(tiny_model):
+    cached, plain = _engine(tiny_model), _engine(tiny_model, prefix_cache_bytes=0)
+    with_cache, without = _conversation(cached), _conversation(plain)
+    for a, b in zip(with_cache, without):
+        assert a.output_ids == b.output_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
+        np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
+    # prompts of 12, 26, 40 tokens; the fed tokens of each turn (prompt + output[:-1]) are cached by
+    # whole 8-token blocks, and at least the last prompt token is always computed
+    assert [o.prompt_tokens for o in with_cache] == [12, 26, 40]
+    assert [o.cached_tokens for o in with_cache] == [0, 16, 32]
+    assert [o.cached_tokens for o in without] == [0, 0, 0]
+    on, off = cached.stats["prefill_tokens"], plain.stats["prefill_tokens"]
+    print(f"\nprefill tokens over 3 turns: {on} with the prefix cache, {off} without")
+    assert (on, off) == (12 + 10 + 8, 12 + 26 + 40)
+    assert cached.stats["cached_tokens"] == 48
+    # rows of cached positions are the ones recorded at turn 1
+    first_rows = with_cache[0].routed_experts
+    np.testing.assert_array_equal(with_cache[2].routed_experts[:len(first_rows)], first_rows)
+
+
+@pytest.fixture()
+def small_budget(tiny_model):
+    block_bytes = _engine(tiny_model).stats["prefix_cache_block_bytes"]
+    return _engine(tiny_model, prefix_cache_bytes=4 * block_bytes + block_bytes // 2)  # room for 4 blocks
+
+
+def _run(engine, prompt):
+    [out] = engine.generate([GenerateRequest(prompt_ids=prompt, max_tokens=1, temperature=0.0,
+                                             return_routed_experts=True)])
+    return out
+
+
+def test_lru_eviction_under_the_byte_budget_drops_leaves_first(small_budget):
+    eng = small_budget
+    a, b = _tokens(1, 25), _tokens(2, 25)  # 25 fed tokens = 3 whole blocks each
+    assert eng.stats["prefix_cache_capacity_blocks"] == 4
+    _run(eng, a)
+    assert eng.stats["prefix_cache_blocks"] == 3
+    _run(eng, b)  # needs 3 slots, 1 free: evicts A's two leaves, keeps A's root
+    assert eng.stats["prefix_cache_blocks"] == 4 and eng.stats["prefix_cache_evictions"] == 2
+    assert _run(eng, b).cached_tokens == 24  # (25 - 1) // 8 blocks: the last token is always computed
+    assert _run(eng, a).cached_tokens == 8
+
+
+def test_set_weights_drops_the_cache_and_bumps_the_version(tiny_model, small_budget):
+    eng = small_budget
+    prompt = _tokens(3, 20)
+    first = _run(eng, prompt)
+    assert _run(eng, prompt).cached_tokens == 16 and first.weight_version == 0
+    _, params, _ = nnx.split(tiny_model, nnx.Param, ...)
+    assert eng.set_weights(params) == 1
+    assert eng.stats["prefix_cache_blocks"] == 0
+    again = _run(eng, prompt)
+    assert again.cached_tokens == 0 and again.weight_version == 1
+    assert again.output_ids == first.output_ids  # same weights: same result, recomputed
+    np.testing.assert_array_equal(again.routed_experts, first.routed_experts)
+
+
+def test_identical_prefixes_in_one_batch_are_stored_once(tiny_model):
+    eng = _engine(tiny_model)
+    prompt = _tokens(4, 20)
+    outs = eng.generate([GenerateRequest(prompt_ids=prompt, max_tokens=1, temperature=0.0,
+                                         return_routed_experts=True)] * 4)
+    assert eng.stats["prefix_cache_blocks"] == 2  # 20 fed tokens: 2 whole blocks, not 8
+    assert all(o.output_ids == outs[0].output_ids for o in outs)
+    assert _run(eng, prompt).cached_tokens == 16

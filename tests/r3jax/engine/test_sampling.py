@@ -1,0 +1,73 @@
+"""Sampling rules on hand-made logits: greedy, top-k, top-p, seeds, temperature-1 logprobs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from r3jax.engine.sampling import filter_logits, sample_tokens, seed_words, token_logprobs
+
+B, V = 64, 8
+# one row's distribution, repeated: probabilities 0.5, 0.3, 0.15, 0.05 on tokens 3, 0, 6, 1
+PROBS = np.zeros(V, np.float32)
+PROBS[[3, 0, 6, 1]] = [0.5, 0.3, 0.15, 0.05]
+LOGITS = np.log(np.maximum(PROBS, 1e-30)).astype(np.float32)
+
+_sample = jax.jit(sample_tokens)
+
+
+def _draw(temperature=1.0, top_k=0, top_p=1.0, seeds=None, index=0):
+    """B draws from LOGITS, one per row (each row its own seed unless given)."""
+    seeds = range(B) if seeds is None else seeds
+    key_data = np.stack([seed_words(s) for s in seeds])
+    full = lambda v, dt: np.full((B,), v, dt)
+    return np.asarray(_sample(np.tile(LOGITS, (B, 1)), key_data, full(index, np.int32),
+                              full(temperature, np.float32), full(top_k, np.int32), full(top_p, np.float32)))
+
+
+def test_greedy_is_argmax():
+    assert (_draw(temperature=0.0) == 3).all()
+
+
+def test_unfiltered_sampling_covers_the_support_and_only_it():
+    draws = np.concatenate([_draw(index=i) for i in range(4)])
+    assert set(draws.tolist()) == {3, 0, 6, 1}
+
+
+@pytest.mark.parametrize("top_k, allowed", [(1, {3}), (2, {3, 0}), (3, {3, 0, 6})])
+def test_top_k_keeps_the_k_most_likely(top_k, allowed):
+    draws = np.concatenate([_draw(temperature=2.0, top_k=top_k, index=i) for i in range(4)])
+    assert set(draws.tolist()) == allowed
+
+
+@pytest.mark.parametrize("top_p, allowed", [(0.3, {3}), (0.5, {3}), (0.7, {3, 0}), (0.8, {3, 0}),
+                                            (0.9, {3, 0, 6})])
+def test_top_p_keeps_the_shortest_prefix_reaching_p(top_p, allowed):
+    draws = np.concatenate([_draw(top_p=top_p, index=i) for i in range(4)])
+    assert set(draws.tolist()) == allowed
+
+
+def test_filter_masks_exactly_outside_the_set():
+    out = np.asarray(filter_logits(jnp.asarray(LOGITS[None].repeat(2, 0)), jnp.array([2, 0]),
+                                   jnp.array([1.0, 0.7], jnp.float32)))
+    assert np.isfinite(out).sum(-1).tolist() == [2, 2]
+    np.testing.assert_array_equal(out[:, [3, 0]], LOGITS[None, [3, 0]].repeat(2, 0))
+
+
+def test_same_seed_same_token_different_index_or_seed_differs():
+    a = _draw(seeds=[7] * B, index=0)
+    assert (a == a[0]).all()  # same seed and index in every row: same token, whatever the row
+    by_index = np.array([_draw(seeds=[7] * B, index=i)[0] for i in range(16)])
+    by_seed = _draw()
+    assert len(set(by_index.tolist())) > 1 and len(set(by_seed.tolist())) > 1
+
+
+def test_logprobs_are_temperature_one_log_softmax():
+    logits = jax.random.normal(jax.random.key(0), (3, V))
+    tokens = jnp.array([0, 5, 7])
+    want = jax.nn.log_softmax(logits, -1)[jnp.arange(3), tokens]
+    np.testing.assert_allclose(token_logprobs(logits, tokens), want, rtol=1e-6)
+
+
+def test_seed_words_are_high_and_low_halves():
+    np.testing.assert_array_equal(seed_words((5 << 32) + 9), np.array([5, 9], np.uint32))
