@@ -93,8 +93,16 @@ def _check_same_params(path, want: dict, have: dict) -> None:
 
 
 def push_to_engine(engine: Any, model_or_state: Any) -> int:
-    """In-process sync: ``engine.set_weights(params)``; returns the engine's new weight_version."""
-    return int(engine.set_weights(params_of(model_or_state)))
+    """In-process sync: ``engine.set_weights(params)``; returns the engine's new weight_version.
+
+    The engine's programs were traced with single-device params; params placed on a trainer mesh
+    (NamedSharding) would make every engine program recompile after each sync. So leaves are handed
+    over on one device (the default device, where an ``Engine`` lives), gathered if sharded.
+    """
+    device = jax.devices()[0]
+    single = lambda x: x if isinstance(getattr(x, "sharding", None), jax.sharding.SingleDeviceSharding) \
+        else jax.device_put(x, device)
+    return int(engine.set_weights(jax.tree.map(single, params_of(model_or_state))))
 
 
 def push_to_server(url: str, path, model_or_state: Any, *, api_key: str | None = None,

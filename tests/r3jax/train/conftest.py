@@ -79,7 +79,14 @@ def make_rollout_batch(tiny):
 
 
 @pytest.fixture(scope="session")
-def rollout_batch(tiny, engine):
-    """A [4, 32] Batch of fp32 engine rollouts of the tiny model (uint8 routes, terminal gap)."""
+def rollout_trajs(tiny, engine):
+    """Four sampled fp32 engine rollouts of the tiny model (collate-ready dicts)."""
     cfg, _ = tiny
-    return collate_tiny(rollout_trajectories(engine, cfg), cfg)
+    return rollout_trajectories(engine, cfg)
+
+
+@pytest.fixture(scope="session")
+def rollout_batch(tiny, rollout_trajs):
+    """The rollouts as a padded [4, 32] Batch (uint8 routes, terminal gap uncaptured)."""
+    cfg, _ = tiny
+    return collate_tiny(rollout_trajs, cfg)

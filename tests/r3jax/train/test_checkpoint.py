@@ -41,6 +41,10 @@ def test_resume_after_crash_is_bit_identical(tiny, rollout_batch, tx, train_cfg,
         ckpt.save(state, data_cursor={"next_batch": step + 1})
         reference[step + 1] = _leaves((state.params, state.opt_state, state.rng))
     ckpt.close()
+    # the async step-2 save was taken before step 3 donated those buffers
+    a2, _ = train.Checkpointer(tmp_path / "a").restore(2, _fresh_template(tx))
+    got = _leaves((a2.params, a2.opt_state, a2.rng))
+    assert len(got) == len(reference[2]) and all(np.array_equal(x, y) for x, y in zip(got, reference[2]))
 
     # Run that "crashes" right after the step-2 save: nothing but the directory survives.
     crash = train.Checkpointer(tmp_path / "b", save_every=2, keep=2)

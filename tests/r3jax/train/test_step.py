@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from r3jax import train
+from r3jax.batch import collate
 from r3jax.sharding import make_mesh
 
 
@@ -105,6 +106,35 @@ def test_padding_and_uncaptured_rows_change_neither_loss_nor_aux(tiny, rollout_b
     np.testing.assert_allclose(mb["aux_loss"], ma["aux_loss"], rtol=1e-6, atol=1e-7)
     na, nb = _np(train.eval_step(state, a, replay="none")), _np(train.eval_step(state, b, replay="none"))
     assert abs(float(nb["aux_loss"]) - float(na["aux_loss"])) > 1e-6  # the probe can see a change
+
+
+def test_packed_layout_matches_padded(tiny, rollout_trajs, tx):
+    """Two trajectories per row (segment ids, restarting positions) score like one per row."""
+    cfg, model = tiny
+    trajs = rollout_trajs
+    padded = collate(trajs, seq_len=32, num_experts=cfg.num_experts, top_k=cfg.top_k,
+                     num_layers=cfg.num_moe_layers)
+    packed = collate(trajs, seq_len=32, packed=True, num_experts=cfg.num_experts, top_k=cfg.top_k,
+                     num_layers=cfg.num_moe_layers)
+    assert packed.tokens.shape == (2, 32) and int(np.asarray(packed.segment_ids).max()) == 2
+    state = train.init_train_state(model, tx)
+    a, b = _np(train.eval_step(state, padded)), _np(train.eval_step(state, packed))
+    for k in ("loss", "pg_loss", "aux_loss", "mean_abs_delta", "k3_kl", "num_targets"):
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    assert b["routing_disagreement"] == 0.0 and b["fallback_fraction"] == 0.0
+
+
+def test_reference_kl_enters_the_loss(tiny, rollout_batch, tx):
+    cfg, model = tiny
+    state = train.init_train_state(model, tx)
+    ref = np.asarray(rollout_batch.rollout_logprobs) - 0.25 * np.asarray(rollout_batch.loss_mask)
+    m = _np(train.eval_step(state, rollout_batch, config=train.LossConfig(kl_coef=0.5), ref_logprobs=ref))
+    # log(π_ref/π) = -0.25 - Δ with Δ ~ 1e-7 here
+    assert m["kl_ref"] == pytest.approx(np.exp(-0.25) - 1 + 0.25, rel=1e-4)
+    assert m["loss"] == pytest.approx(m["pg_loss"] + 0.5 * m["kl_ref"] + cfg.router_aux_loss_coef * m["aux_loss"],
+                                      abs=1e-6)
+    with pytest.raises(ValueError, match=r"ref_logprobs shape=\(4, 31\): expected \[B, S\] = \(4, 32\)"):
+        train.eval_step(state, rollout_batch, config=train.LossConfig(kl_coef=0.5), ref_logprobs=ref[:, :31])
 
 
 def test_host_validation_errors(tiny, rollout_batch, tx, train_cfg):

@@ -1,0 +1,166 @@
+"""The R3 paper's core measurement, small: train–inference mismatch with and without routed-expert replay.
+
+    python -m experiments.replay_mismatch [--quick] [--configs tiny,small_100m]
+
+For each model config (random init, fp32 parameters), the in-process engine samples rollouts
+(temperature 1, routes captured) once in bf16 compute and once in fp32 (the same-dtype control).
+An fp32 trainer then scores the same tokens with ``eval_step`` twice: ``replay="none"`` (live
+routing) and ``replay="rollout"`` (R3). Reported over loss-active tokens (r3jax.metrics):
+routing disagreement (routes the trainer used vs the rollout's), tokens with any differing layer,
+the trainer router's own disagreement (``live_``, what replay overrides), mean |Δ|, k3 KL and F(2).
+Last, the fp32 train-step time with replay ÷ without on the bf16 batch, interleaved in one run
+(target <= 1.03). Writes experiments/results/replay_mismatch.{json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from experiments.common import RESULTS, table, write_json
+from models import MoeConfig, MoeTransformer
+from r3jax.batch import collate
+from r3jax.engine import Engine, GenerateRequest
+from r3jax.sharding import shard_batch
+from r3jax.trace import RoutedExpertTrace
+from r3jax.train import LossConfig, eval_step, init_train_state, train_step
+
+COLUMNS = ["config", "rollout", "replay", "routing_disagreement", "token_any_disagreement",
+           "live_routing_disagreement", "mean_abs_delta", "k3_kl", "f2", "fallback_fraction"]
+
+
+def rollouts(engine: Engine, cfg: MoeConfig, *, n: int, prompt_len: int, max_tokens: int, seed: int):
+    """``n`` sampled single-turn trajectories (collate-ready dicts); routes assembled by the trace."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, cfg.vocab_size, prompt_len).tolist() for _ in range(n)]
+    reqs = [GenerateRequest(prompt_ids=p, max_tokens=max_tokens, temperature=1.0, seed=seed + i,
+                            return_routed_experts=True) for i, p in enumerate(prompts)]
+    trajs = []
+    for p, out in zip(prompts, engine.generate(reqs)):
+        g = len(out.output_ids)
+        loss_mask = np.array([0.0] * len(p) + [1.0] * g, np.float32)
+        trace = RoutedExpertTrace().record(prompt_len=len(p), generated_len=g, routes=out.routed_experts)
+        routes, captured = trace.finalize(token_count=len(p) + g, loss_mask=loss_mask)
+        trajs.append(dict(tokens=np.array(p + list(out.output_ids), np.int32), loss_mask=loss_mask,
+                          rollout_logprobs=np.array([0.0] * len(p) + list(out.logprobs), np.float32),
+                          advantage=float(rng.normal()), routes=routes, captured=captured))
+    return trajs
+
+
+def step_time_ratio(model, batch, *, reps: int) -> dict:
+    """fp32 train-step seconds with replay and without, run in interleaved pairs (order alternating)
+    so machine drift hits both; the ratio is the median of the per-pair ratios."""
+    tx = optax.adam(1e-4)
+    states = {mode: init_train_state(model, tx) for mode in ("rollout", "none")}
+    batch = shard_batch(batch, states["none"].mesh)  # on device up front: time the step alone
+    times = {"rollout": [], "none": []}
+    for i in range(reps + 1):  # the first round compiles and is discarded
+        for mode in ("none", "rollout") if i % 2 else ("rollout", "none"):
+            t0 = time.perf_counter()
+            states[mode], m = train_step(states[mode], batch, replay=mode, config=LossConfig())
+            jax.block_until_ready((states[mode], m))
+            if i:
+                times[mode].append(time.perf_counter() - t0)
+    pairs = [r / n for r, n in zip(times["rollout"], times["none"])]
+    return {"step_s_live": statistics.median(times["none"]), "step_s_replay": statistics.median(times["rollout"]),
+            "replay_step_ratio": statistics.median(pairs),
+            "ratio_of_min": min(times["rollout"]) / min(times["none"]), "reps": reps}
+
+
+def measure(name: str, cfg: MoeConfig, *, n: int, prompt_len: int, max_tokens: int, reps: int,
+            seed: int) -> tuple[list[dict], dict]:
+    model = MoeTransformer(cfg, rngs=nnx.Rngs(seed))
+    state = init_train_state(model, optax.adam(1e-4))
+    seq_len = 1 << (prompt_len + max_tokens - 1).bit_length()
+    rows, batches = [], {}
+    for label, dtype in (("bf16", jnp.bfloat16), ("fp32", None)):
+        engine = Engine(model, max_seq_len=seq_len, max_batch_size=n, dtype=dtype, prefix_cache_bytes=0)
+        trajs = rollouts(engine, cfg, n=n, prompt_len=prompt_len, max_tokens=max_tokens, seed=seed)
+        batches[label] = collate(trajs, seq_len=seq_len, num_experts=cfg.num_experts, top_k=cfg.top_k,
+                                 num_layers=cfg.num_moe_layers)
+        for replay in ("none", "rollout"):
+            m = jax.device_get(eval_step(state, batches[label], replay=replay))
+            rows.append({"config": name, "rollout": label, "replay": replay,
+                         **{k: float(v) for k, v in m.items() if np.ndim(v) == 0},
+                         "routing_disagreement_per_layer": np.asarray(m["routing_disagreement_per_layer"]).tolist()})
+            print(table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+    timing = {"config": name, "tokens": int(np.asarray(batches["bf16"].attention_mask).sum()),
+              **step_time_ratio(model, batches["bf16"], reps=reps)}
+    return rows, timing
+
+
+def plot(rows: list[dict], path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [("routing_disagreement", "routing disagreement"), ("token_any_disagreement", "tokens, any layer differs"),
+               ("k3_kl", "k3 KL"), ("mean_abs_delta", "mean |Δ logprob|")]
+    groups = sorted({(r["config"], r["rollout"]) for r in rows}, key=lambda g: (g[0] != "tiny", g))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.6))
+    x = np.arange(len(groups))
+    for ax, (key, title) in zip(axes, metrics):
+        for j, (replay, color) in enumerate((("none", "tab:red"), ("rollout", "tab:blue"))):
+            vals = [next(r[key] for r in rows if (r["config"], r["rollout"], r["replay"]) == (*g, replay))
+                    for g in groups]
+            if key in ("k3_kl", "mean_abs_delta"):
+                vals = [max(v, 1e-16) for v in vals]  # log axis: exact zeros drawn at the floor
+            ax.bar(x + (j - 0.5) * 0.38, vals, 0.38, color=color,
+                   label="no replay" if replay == "none" else "replay (R3)")
+        ax.set_xticks(x, [f"{c}\n{d} rollout" for c, d in groups], fontsize=8)
+        ax.set_title(title)
+        if key in ("k3_kl", "mean_abs_delta"):
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("fp32 trainer vs engine rollouts (bf16, and fp32 control)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer, shorter rollouts and timing repeats")
+    ap.add_argument("--configs", default="tiny,small_100m")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    plan = {"tiny": dict(n=8, prompt_len=16, max_tokens=48, reps=41),
+            "small_100m": dict(n=8, prompt_len=16, max_tokens=48, reps=9)}
+    if args.quick:
+        plan = {"tiny": dict(n=8, prompt_len=8, max_tokens=24, reps=21),
+                "small_100m": dict(n=4, prompt_len=8, max_tokens=8, reps=5)}
+    rows, timings = [], []
+    print(table([], COLUMNS))
+    for name in args.configs.split(","):
+        r, t = measure(name, MoeConfig.preset(name), seed=args.seed, **plan[name])
+        rows += r
+        timings.append(t)
+    print()
+    print(table(rows, COLUMNS))
+    print()
+    print(table(timings, ["config", "tokens", "step_s_live", "step_s_replay", "replay_step_ratio", "ratio_of_min", "reps"]))
+    summary = []
+    for name in args.configs.split(","):
+        get = lambda rollout, replay, k: next(x[k] for x in rows if (x["config"], x["rollout"], x["replay"]) == (name, rollout, replay))
+        summary.append({"config": name,
+                        "k3_kl_none": get("bf16", "none", "k3_kl"), "k3_kl_replay": get("bf16", "rollout", "k3_kl"),
+                        "k3_reduction": get("bf16", "none", "k3_kl") / max(get("bf16", "rollout", "k3_kl"), 1e-30),
+                        "disagreement_none": get("bf16", "none", "routing_disagreement"),
+                        "disagreement_replay": get("bf16", "rollout", "routing_disagreement")})
+    print()
+    print(table(summary, list(summary[0])))
+    path = write_json("replay_mismatch", {"args": vars(args), "plan": plan, "rows": rows, "timing": timings,
+                                          "summary": summary})
+    png = RESULTS / "replay_mismatch.png"
+    plot(rows, png)
+    print(f"\nwrote {path} and {png}")
+
+
+if __name__ == "__main__":
+    main()
