@@ -117,12 +117,13 @@ def _jsonable(obj: Any) -> Any:
 
 
 def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               max_batch_size: int | None = None, max_wait_s: float = 0.002,
+               max_batch_size: int | None = None, max_wait_s: float = 0.002, max_queue: int = 4096,
                load_weights: Callable[[str, str, Any], Any] | None = None) -> FastAPI:
     """The ASGI app serving ``engine``.
 
     max_batch_size: requests per engine call (default ``engine.max_batch_size``). max_wait_s: how long
     a batch waits for more requests once the first arrived (bounded; a busy engine batches anyway).
+    max_queue: requests waiting beyond this many get 503 (the client retries with backoff).
     load_weights: ``(path, format, engine) -> params state`` for ``POST /v1/weights`` (default
     :func:`r3jax.serve.weights.load_state`); it runs in a worker thread while generation continues,
     then ``engine.set_weights`` runs between two batches.
@@ -130,7 +131,7 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
     if load_weights is None:
         from r3jax.serve.weights import load_state as load_weights
     batcher = Batcher(engine, max_batch_size=max_batch_size or int(engine.max_batch_size),
-                      max_wait_s=max_wait_s)
+                      max_wait_s=max_wait_s, max_queue=max_queue)
     limits = schema.Limits(vocab_size=engine.config.vocab_size, max_seq_len=int(engine.max_seq_len))
     layers = list(engine.moe_layer_ids)
     weights_lock = asyncio.Lock()
@@ -182,7 +183,7 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
                 sessions.popitem(last=False)
         try:
             out = await batcher.submit(req)
-        except ShuttingDown as e:
+        except ShuttingDown as e:  # also Overloaded: not started, so safe to retry
             return _json({"error": "unavailable", "detail": str(e)}, 503, {"Retry-After": "1"})
         except ValueError as e:  # the engine refused it: still the client's input
             raise schema.engine_error(e) from None
@@ -205,7 +206,10 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
                 log.warning("weights load failed: %s", e)
                 raise schema.InputError("path", f"path={body.path!r} ({body.format}): "
                                         f"{type(e).__name__}: {e}") from None
-            version = await batcher.run_exclusive(lambda: engine.set_weights(state))
+            try:
+                version = await batcher.run_exclusive(lambda: engine.set_weights(state))
+            except ValueError as e:  # the engine's own structure / shape check
+                raise schema.InputError("path", f"path={body.path!r}: {e}") from None
         return {"weight_version": int(version)}
 
     _register_body_schemas(app, schema.GenerateBody, schema.WeightsBody)

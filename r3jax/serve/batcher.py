@@ -20,6 +20,10 @@ class ShuttingDown(RuntimeError):
     """The server is stopping and did not start this request; safe to retry elsewhere (503)."""
 
 
+class Overloaded(ShuttingDown):
+    """More than ``max_queue`` requests are waiting; safe to retry later or elsewhere (503)."""
+
+
 class Batcher:
     """``await batcher.submit(request) -> GenerateOutput``; requests arriving within ``max_wait_s``
     of each other (or while the engine is busy) share one ``engine.generate`` call of at most
@@ -29,10 +33,11 @@ class Batcher:
     request fails alone (it gets the ValueError; the others their outputs).
     """
 
-    def __init__(self, engine: Any, *, max_batch_size: int, max_wait_s: float = 0.002):
+    def __init__(self, engine: Any, *, max_batch_size: int, max_wait_s: float = 0.002, max_queue: int = 4096):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}: expected an int >= 1")
         self.engine, self.max_batch_size, self.max_wait_s = engine, max_batch_size, max_wait_s
+        self.max_queue = max_queue
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="r3jax-engine")
         self._queue: asyncio.Queue | None = None
         self._worker: asyncio.Task | None = None
@@ -75,6 +80,8 @@ class Batcher:
         """Queue one ``GenerateRequest``; await its ``GenerateOutput`` (or the engine's ValueError)."""
         if self._closing or self._queue is None:
             raise ShuttingDown("server shutting down; request not started")
+        if self._queue.qsize() >= self.max_queue:
+            raise Overloaded(f"{self._queue.qsize()} requests queued (max_queue={self.max_queue}); retry later")
         fut = asyncio.get_running_loop().create_future()
         self.stats["requests"] += 1
         self._queue.put_nowait((request, fut))
@@ -116,10 +123,13 @@ class Batcher:
             self.stats["in_flight"] = len(batch)
             try:
                 results = await loop.run_in_executor(self._executor, self._generate, [r for r, _ in batch])
-            except BaseException as e:  # engine crashed (not an input error): fail this batch only
+            except asyncio.CancelledError:
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(ShuttingDown("server shutting down; request abandoned"))
+                raise
+            except Exception as e:  # the engine failed (not an input error): fail this batch only
                 results = [e] * len(batch)
-                if isinstance(e, asyncio.CancelledError):
-                    raise
             finally:
                 self.stats["in_flight"] = 0
             for (_, fut), res in zip(batch, results):

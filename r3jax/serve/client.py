@@ -28,6 +28,15 @@ from typing import Any, Sequence
 import httpx
 
 from r3jax.serve import protocol
+
+try:
+    import sniffio  # noqa: F401
+except ImportError:
+    # httpcore imports sniffio on every async request; when it is absent each failing import walks
+    # sys.path (~0.4 ms). Caching the miss keeps the same outcome (asyncio) at no cost.
+    import sys
+
+    sys.modules.setdefault("sniffio", None)
 from r3jax.serve.protocol import ProtocolError, ServedModel
 
 _RETRY_STATUS = (502, 503, 504)

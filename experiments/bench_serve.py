@@ -1,0 +1,180 @@
+"""HTTP serving throughput vs the in-process engine, and route bytes on the wire.
+
+    python -m experiments.bench_serve [--quick]
+
+One run measures both sides with the same weights (tiny model, seed 0) and the same workload: N
+requests of random 16..24-token prompts, ``max_tokens`` new tokens (sampled, fixed seeds, no stop
+token), routes for every row (s = 0), binary route framing.
+
+- HTTP: ``python -m r3jax serve`` in a subprocess (max batch 32); a ``RemoteInferenceClient`` with
+  ``max_concurrency`` = c sends all N requests; the server's dynamic batcher gathers what is in flight.
+- In process: ``Engine.generate`` on batches of c requests (the best batching c concurrent callers
+  could get). ratio = HTTP requests/s ÷ in-process requests/s at the same c.
+- ``vs_serial`` at c > 1: HTTP wall time ÷ (N × the c = 1 HTTP time per request): how much less than
+  "one request after another" concurrency costs.
+Each timed pass follows an untimed warm-up pass of the same workload (compiles every shape bucket);
+medians of ``--repeats`` interleaved passes. Wire bytes: one response per route format, measured on
+the actual HTTP body, per route row, against the raw array (rows × L × K × itemsize); the same
+encoders on a Qwen3-30B-A3B-shaped array (L = 48, K = 8) show the ratio at real size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+CACHE = Path(tempfile.gettempdir()) / "r3jax-bench-serve-jax-cache"
+ENV = {"JAX_COMPILATION_CACHE_DIR": str(CACHE), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+       "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "JAX_PLATFORMS": "cpu"}
+os.environ.update(ENV)  # before JAX starts: server and in-process engine share compiled programs
+
+import httpx  # noqa: E402
+
+from experiments.common import table, write_json  # noqa: E402
+from r3jax.engine import Engine, GenerateRequest  # noqa: E402
+from r3jax.serve import RemoteInferenceClient  # noqa: E402
+from r3jax.serve.protocol import BINARY_MEDIA_TYPE  # noqa: E402
+
+MAX_BATCH, MAX_SEQ = 32, 128
+
+
+def start_server() -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "r3jax", "serve", "--model", "tiny", "--host", "127.0.0.1", "--port", "0",
+           "--max-batch-size", str(MAX_BATCH), "--max-seq-len", str(MAX_SEQ)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "XLA_FLAGS": ""})
+    line = ""
+    while "listening on" not in line:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+    url = line.strip().rsplit(" ", 1)[-1]
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.05)
+
+
+def workload(n: int, max_tokens: int, vocab: int) -> list[GenerateRequest]:
+    rng = np.random.default_rng(0)
+    return [GenerateRequest(rng.integers(0, vocab, int(rng.integers(16, 25))).tolist(), max_tokens=max_tokens,
+                            temperature=1.0, seed=i, return_routed_experts=True) for i in range(n)]
+
+
+def http_pass(url: str, reqs, c: int) -> float:
+    async def go():
+        async with RemoteInferenceClient(url, max_concurrency=c) as client:
+            t0 = time.perf_counter()
+            outs = await client.agenerate(reqs)
+            dt = time.perf_counter() - t0
+        assert all(len(o.output_ids) == r.max_tokens for o, r in zip(outs, reqs))
+        return dt
+    return asyncio.run(go())
+
+
+def engine_pass(engine: Engine, reqs, c: int) -> float:
+    t0 = time.perf_counter()
+    for i in range(0, len(reqs), c):
+        engine.generate(reqs[i:i + c])
+    return time.perf_counter() - t0
+
+
+def wire_bytes(url: str, info: dict) -> list[dict]:
+    from r3jax.routes import encode, encode_binary
+
+    body = {"prompt_ids": list(range(1, 25)), "return_routed_experts": True,
+            "sampling_params": {"max_tokens": 40, "temperature": 0.0}}
+    raw_row = info["num_moe_layers"] * info["top_k"] * 1  # uint8 for E <= 256
+    js = httpx.post(url + "/v1/generate", json=body).content
+    obj = json.loads(js)
+    rows = obj["routed_experts"]["shape"][0]
+    route_json = len(json.dumps(obj["routed_experts"], separators=(",", ":")))
+    bn = httpx.post(url + "/v1/generate", json=body, headers={"Accept": BINARY_MEDIA_TYPE}).content
+    (n,) = struct.unpack_from("<I", bn)
+    out = [{"model": "tiny (served)", "rows": rows, "raw_B_per_row": raw_row,
+            "json_B_per_row": route_json / rows, "binary_B_per_row": (len(bn) - 4 - n) / rows,
+            "json_response_B_per_row": len(js) / rows, "binary_response_B_per_row": len(bn) / rows}]
+    routes = np.random.default_rng(0).integers(0, 128, (rows, 48, 8)).astype(np.uint8)  # Qwen3-30B-A3B shape
+    layers = list(range(48))
+    out.append({"model": "Qwen3-30B-A3B shape (encoders only)", "rows": rows, "raw_B_per_row": 48 * 8,
+                "json_B_per_row": len(json.dumps(encode(routes, 0, layers), separators=(",", ":"))) / rows,
+                "binary_B_per_row": len(encode_binary(routes, 0, layers)) / rows})
+    for r in out:
+        r["json_vs_raw"] = r["json_B_per_row"] / r["raw_B_per_row"]
+        r["binary_vs_raw"] = r["binary_B_per_row"] / r["raw_B_per_row"]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer requests and tokens, 1 repeat")
+    ap.add_argument("--repeats", type=int, default=None)
+    args = ap.parse_args()
+    n, max_tokens = (64, 16) if args.quick else (128, 32)
+    repeats = args.repeats or (1 if args.quick else 3)
+    levels = (1, 8, 32)
+
+    from flax import nnx
+
+    from models import MoeConfig, MoeTransformer
+
+    proc, url = start_server()
+    try:
+        engine = Engine(MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0)), max_seq_len=MAX_SEQ,
+                        max_batch_size=MAX_BATCH)
+        info = httpx.get(url + "/v1/model").json()
+        reqs = workload(n, max_tokens, info["vocab_size"])
+        single = reqs[: max(8, n // 8)]  # c = 1 runs fewer requests (it is the slow case)
+        times = {("http", c): [] for c in levels} | {("engine", c): [] for c in levels}
+        batches = {}
+        for c in levels:  # warm-up: every shape bucket compiled on both sides
+            work = single if c == 1 else reqs
+            http_pass(url, work, c), engine_pass(engine, work, c)
+        for _ in range(repeats):
+            for c in levels:
+                work = single if c == 1 else reqs
+                before = httpx.get(url + "/v1/stats").json()
+                times[("http", c)].append(http_pass(url, work, c))
+                after = httpx.get(url + "/v1/stats").json()
+                batches[c] = (after["batched_requests"] - before["batched_requests"]) / max(1, after["batches"] - before["batches"])
+                times[("engine", c)].append(engine_pass(engine, work, c))
+        rows = []
+        per_req_serial = statistics.median(times[("http", 1)]) / len(single)
+        for c in levels:
+            k = len(single) if c == 1 else n
+            th, te = statistics.median(times[("http", c)]), statistics.median(times[("engine", c)])
+            rows.append({"concurrency": c, "requests": k, "new_tokens": max_tokens,
+                         "http_req_s": k / th, "http_tok_s": k * max_tokens / th,
+                         "engine_req_s": k / te, "engine_tok_s": k * max_tokens / te,
+                         "http_vs_engine": te / th, "mean_server_batch": batches[c],
+                         "vs_serial": th / (k * per_req_serial)})
+        wire = wire_bytes(url, info)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    cols = ["concurrency", "requests", "new_tokens", "http_req_s", "http_tok_s", "engine_req_s", "engine_tok_s",
+            "http_vs_engine", "mean_server_batch", "vs_serial"]
+    print(table(rows, cols))
+    print()
+    print(table(wire, ["model", "rows", "raw_B_per_row", "json_B_per_row", "binary_B_per_row", "json_vs_raw",
+                       "binary_vs_raw", "json_response_B_per_row", "binary_response_B_per_row"]))
+    path = write_json("bench_serve", {"quick": args.quick, "repeats": repeats, "throughput": rows, "wire": wire,
+                                      "max_batch_size": MAX_BATCH, "max_seq_len": MAX_SEQ})
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""RemoteInferenceClient logic against fake servers (no JAX programs): retries on 503 but not on
+4xx/500, the row rule enforced on whatever a server answers, the start checked before sending,
+sticky sessions and load spreading over replicas, a dead replica skipped until /health answers,
+and SGLang's /generate format."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import numpy as np
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from r3jax.engine import GenerateOutput, GenerateRequest
+from r3jax.serve import ProtocolError, RemoteError, RemoteInferenceClient, RemoteInputError, create_app
+
+REQ = GenerateRequest([1, 2, 3], max_tokens=3, return_routed_experts=True, routed_experts_prompt_start=1)
+
+
+def fast(urls, **kw):
+    return RemoteInferenceClient(urls, backoff_s=0.001, max_backoff_s=0.01, health_interval_s=0.0, **kw)
+
+
+class Flaky:
+    """ASGI wrapper: answer the first ``n`` POST /v1/generate with ``status``; count the POSTs."""
+
+    def __init__(self, app, n, status):
+        self.app, self.n, self.status, self.posts = app, n, status, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == "/v1/generate":
+            self.posts += 1
+            if self.posts <= self.n:
+                body = json.dumps({"error": "x", "detail": f"injected {self.status}"}).encode()
+                return await Response(body, self.status, media_type="application/json")(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+@pytest.mark.parametrize("status,n,fails", [(503, 3, None), (502, 1, None), (500, 1, RemoteError),
+                                            (422, 1, RemoteInputError), (503, 9, RemoteError)])
+def test_retry_policy(serve_helpers, status, n, fails):
+    engine = serve_helpers.FakeEngine()
+    app = Flaky(create_app(engine), n, status)
+    with serve_helpers.thread_server(app) as srv, fast(srv.url, max_retries=4) as client:
+        if fails is None:
+            [out] = client.generate([REQ])
+            assert out.output_ids == [6, 7, 8] and client.retries == n and app.posts == n + 1
+        else:
+            with pytest.raises(fails, match=f"{status}|after 5 attempts"):
+                client.generate([REQ])
+            assert app.posts == (5 if status == 503 else 1)  # 503: 1 + max_retries; others: never retried
+
+
+class BadEngine:
+    """Wraps FakeEngine and corrupts its outputs in one way."""
+
+    def __init__(self, inner, how):
+        self.inner, self.how = inner, how
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def generate(self, requests):
+        outs = self.inner.generate(requests)
+        o = outs[0]
+        r = o.routed_experts
+        r, start, ids = {"extra_row": (np.concatenate([r, r[:1]]), o.routed_experts_start, o.output_ids),
+                         "missing_row": (r[1:], o.routed_experts_start, o.output_ids),
+                         "start": (r, o.routed_experts_start + 1, o.output_ids),
+                         "expert_id": (r + 8, o.routed_experts_start, o.output_ids),
+                         "too_many_tokens": (r, o.routed_experts_start, o.output_ids + [1])}[self.how]
+        return [GenerateOutput(ids, o.logprobs, o.finish_reason, r, o.prompt_tokens, o.cached_tokens,
+                               o.weight_version, start)]
+
+
+@pytest.mark.parametrize("how,binary", [("extra_row", True), ("extra_row", False), ("missing_row", True),
+                                        ("start", False), ("expert_id", True), ("too_many_tokens", False)])
+def test_contract_breaking_answers_raise(serve_helpers, how, binary):
+    engine = BadEngine(serve_helpers.FakeEngine(), how)
+    with serve_helpers.thread_server(create_app(engine)) as srv, fast(srv.url, binary_routes=binary) as client:
+        with pytest.raises(ProtocolError, match="P - s \\+ G - 1|start=2|expert id|output_ids"):
+            client.generate([REQ])
+        assert client.retries == 0
+
+
+def test_start_checked_before_sending(serve_helpers):
+    engine = serve_helpers.FakeEngine()
+    with serve_helpers.thread_server(create_app(engine)) as srv, fast(srv.url) as client:
+        for s in (True, -1, 4, 1.0, "1"):
+            bad = GenerateRequest([1, 2, 3], routed_experts_prompt_start=s)
+            with pytest.raises(ValueError, match="routed_experts_prompt_start"):
+                client.generate([REQ, bad])
+        assert httpx.get(srv.url + "/v1/stats").json()["requests"] == 0  # nothing was sent
+        outs = client.generate([GenerateRequest([1, 2, 3], max_tokens=2, return_routed_experts=True,
+                                                routed_experts_prompt_start=s) for s in (0, 3)])
+        assert [o.routed_experts.shape[0] for o in outs] == [3 - 0 + 2 - 1, 3 - 3 + 2 - 1]
+
+
+def test_sticky_sessions_spread_load_and_skip_a_dead_replica(serve_helpers):
+    engines = [serve_helpers.FakeEngine(), serve_helpers.FakeEngine()]
+    a = serve_helpers.ThreadServer(create_app(engines[0]))
+    b = serve_helpers.ThreadServer(create_app(engines[1]))
+    counts = lambda: [httpx.get(s.url + "/v1/stats").json()["requests"] for s in (a, b)]
+    try:
+        with fast([a.url, b.url], max_retries=3) as client:
+            sessions = [f"s{i}" for i in range(8)]
+            for _ in range(3):  # three turns per session
+                client.generate([GenerateRequest([1, 2], max_tokens=1, session_id=s) for s in sessions])
+            per = [httpx.get(s.url + "/v1/stats").json()["sessions"] for s in (a, b)]
+            for s in sessions:  # every turn of a session on one replica
+                assert sorted([per[0].get(s, 0), per[1].get(s, 0)]) == [0, 3]
+            before = counts()
+            client.generate([GenerateRequest([1, 2], max_tokens=1) for _ in range(8)])
+            after = counts()
+            assert after[0] - before[0] >= 2 and after[1] - before[1] >= 2  # no session: spread by load
+
+            b.stop()  # B dies: everything goes to A, nothing fails
+            outs = client.generate([GenerateRequest([1, 2], max_tokens=1, session_id=s) for s in sessions])
+            assert len(outs) == 8 and client.health() == {a.url: True, b.url: False}
+            b = serve_helpers.ThreadServer(create_app(engines[1]), port=b.port)  # B is back
+            assert client.health() == {a.url: True, b.url: True}
+            b_before = httpx.get(b.url + "/v1/stats").json()["requests"]
+            client.generate([GenerateRequest([1, 2], max_tokens=1, session_id=s) for s in sessions])
+            assert httpx.get(b.url + "/v1/stats").json()["requests"] > b_before  # used again
+    finally:
+        for s in (a, b):
+            if s.thread.is_alive():
+                s.stop()
+
+
+def test_sglang_protocol(serve_helpers):
+    """A fake SGLang /generate: routes for the whole sequence as base64 int32; the client keeps [s:]."""
+    seen = []
+    app = FastAPI()
+
+    @app.get("/health")
+    def health():
+        return {}
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await request.json()
+        seen.append(body)
+        p, g = len(body["input_ids"]), body["sampling_params"]["max_new_tokens"]
+        rows = np.arange((p + g - 1) * 2 * 2, dtype=np.int32).reshape(p + g - 1, 2, 2) % 8
+        if body["input_ids"][0] == 99:
+            rows = rows[1:]  # a broken server: one row short
+        out = [10 + t for t in range(g)]
+        return {"text": "", "output_ids": out, "meta_info": {
+            "output_token_logprobs": [[-0.25 * t, tok, None] for t, tok in enumerate(out)],
+            "finish_reason": {"type": "length"}, "prompt_tokens": p, "cached_tokens": 1,
+            "routed_experts": base64.b64encode(rows.tobytes()).decode()}}
+
+    info = {"num_experts": 8, "top_k": 2, "moe_layer_ids": [1, 2]}
+    with serve_helpers.thread_server(app) as srv, fast(srv.url, protocol="sglang", model_info=info) as client:
+        req = GenerateRequest([5, 6, 7, 8], max_tokens=3, top_k=0, seed=3, return_routed_experts=True,
+                              routed_experts_prompt_start=2)
+        [out] = client.generate([req])
+        full = np.arange(6 * 4, dtype=np.int32).reshape(6, 2, 2) % 8
+        np.testing.assert_array_equal(out.routed_experts, full[2:])
+        assert out.routed_experts.dtype == np.uint8 and out.routed_experts_start == 2
+        assert (out.output_ids, out.logprobs, out.finish_reason, out.cached_tokens) == ([10, 11, 12], [0.0, -0.25, -0.5],
+                                                                                         "length", 1)
+        assert seen[0]["input_ids"] == [5, 6, 7, 8] and seen[0]["return_routed_experts"] is True
+        assert seen[0]["sampling_params"]["top_k"] == -1 and seen[0]["sampling_params"]["sampling_seed"] == 3
+        with pytest.raises(ProtocolError, match="P \\+ G - 1"):
+            client.generate([GenerateRequest([99, 1], max_tokens=2, return_routed_experts=True)])
+    with pytest.raises(ValueError, match="model_info"):
+        RemoteInferenceClient("http://127.0.0.1:1", protocol="sglang")
+
+
+def test_parse_response_reads_the_skyrl_form_and_checks_it():
+    from r3jax.routes import encode
+    from r3jax.serve.protocol import ServedModel, parse_response
+
+    info = ServedModel(num_experts=8, top_k=2, moe_layer_ids=(1, 2), vocab_size=272)
+    rows = np.arange(4 * 4, dtype=np.int32).reshape(4, 2, 2) % 8  # P - s + G - 1 = 3 - 1 + 3 - 1
+    skyrl = {k: v for k, v in encode(rows, 1, [1, 2]).items() if k in ("data", "shape", "dtype")}
+    obj = {"output_ids": [1, 2, 3], "logprobs": [-1.0, -2.0, -3.0], "finish_reason": "stop", "routed_experts": skyrl,
+           "prompt_tokens": 3, "cached_tokens": 0, "weight_version": 4}
+    out = parse_response(json.dumps(obj).encode(), "application/json", REQ, info, "test")
+    np.testing.assert_array_equal(out.routed_experts, rows)
+    assert out.routed_experts.dtype == np.uint8 and (out.finish_reason, out.weight_version) == ("stop", 4)
+    for change, match in (({"routed_experts": None}, "missing"), ({"logprobs": [-1.0]}, "logprobs"),
+                          ({"finish_reason": "abort"}, "finish_reason"), ({"output_ids": []}, "output_ids"),
+                          ({"routed_experts": {**skyrl, "layers": [0, 1]}}, "layers"),
+                          ({"routed_experts": [[[0, 1]]]}, "packed form")):
+        with pytest.raises(ProtocolError, match=match):
+            parse_response(json.dumps({**obj, **change}).encode(), "application/json", REQ, info, "test")

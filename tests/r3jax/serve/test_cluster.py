@@ -1,0 +1,129 @@
+"""Real servers in subprocesses (``python -m r3jax serve --model tiny``): 64 concurrent requests
+equal the same requests sent alone; SIGKILL mid-run and a restart lose and duplicate nothing; two
+replicas keep sessions sticky so the prefix cache hits; SIGTERM exits cleanly.
+
+The server processes share a persistent JAX compilation cache (in pytest's cache directory, used by
+these server processes only), so a restarted server does not recompile."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import httpx
+import numpy as np
+import pytest
+
+from r3jax.engine import GenerateRequest
+from r3jax.serve import RemoteInferenceClient
+
+ARGS = ("--max-batch-size", "2", "--max-seq-len", "64")
+
+
+@pytest.fixture(scope="module")
+def cluster(serve_helpers, request):
+    """Server A (started here), its port and the shared cache; tests restart A and add B."""
+    h, cache = serve_helpers, request.config.cache.mkdir("r3jax-serve-jax-cache")  # kept across runs
+    state = {"procs": {}, "cache": cache}
+
+    def start(name, port=None):
+        port = port or h.free_port()
+        proc = h.start_process(port, *ARGS, cache_dir=cache)
+        state["procs"][name] = (proc, port)
+        h.wait_healthy(f"http://127.0.0.1:{port}", timeout=240, proc=proc)
+        return f"http://127.0.0.1:{port}"
+
+    state["start"] = start
+    state["a"] = start("a")
+    yield state
+    for proc, _ in state["procs"].values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def requests_(n):
+    return [GenerateRequest([3 + i % 5, 7, 11 + i][: 2 + i % 2], max_tokens=4, temperature=0.0,
+                            return_routed_experts=True, routed_experts_prompt_start=i % 3) for i in range(n)]
+
+
+def assert_same(got, want):
+    """Tokens and routes exactly; logprobs to float32 rounding (a batch of another size runs
+    another XLA program, whose reductions may round differently)."""
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
+        np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def alone(cluster):
+    with RemoteInferenceClient(cluster["a"]) as client:
+        return [client.generate([r])[0] for r in requests_(64)]  # one at a time
+
+
+def test_64_concurrent_requests_equal_each_sent_alone(cluster, alone):
+    url = cluster["a"]
+    before = httpx.get(url + "/v1/stats").json()
+    with RemoteInferenceClient(url, max_concurrency=64) as client:
+        together = client.generate(requests_(64))
+    assert_same(together, alone)
+    after = httpx.get(url + "/v1/stats").json()
+    assert after["requests"] - before["requests"] == 64
+    assert after["batches"] - before["batches"] < 64 and after["max_batch"] == 2  # gathered into batches
+
+
+def test_kill_mid_run_and_restart_loses_and_duplicates_nothing(cluster, alone, serve_helpers):
+    url = cluster["a"]
+    proc, port = cluster["procs"]["a"]
+    result = {}
+    with RemoteInferenceClient(url, max_concurrency=2, max_retries=400, backoff_s=0.01, max_backoff_s=0.2,
+                               health_interval_s=0.05, timeout=30) as client:
+        base = httpx.get(url + "/v1/stats").json()["requests"]
+        run = threading.Thread(target=lambda: result.setdefault("outs", client.generate(requests_(64))))
+        run.start()
+        poll = lambda: httpx.get(url + "/v1/stats").json()["requests"] - base >= 4
+        while not poll():
+            pass
+        proc.send_signal(signal.SIGKILL)  # mid-run: requests in flight and still to send
+        proc.wait(30)
+        cluster["start"]("a", port)  # same port; the client retries until it answers again
+        run.join(300)
+        assert not run.is_alive()
+        assert client.retries >= 1
+    assert_same(result["outs"], alone)  # one output per request, in order, each the right one
+    assert httpx.get(url + "/v1/stats").json()["requests"] <= 64  # the restarted server saw only the rest
+
+
+def test_two_replicas_sticky_sessions_hit_the_prefix_cache(cluster):
+    a, b = cluster["a"], cluster["start"]("b")
+    sessions = [f"conv-{i}" for i in range(4)]
+    # 16-token first turns: one full prefix-cache block, and the prefill shape earlier tests compiled
+    prompts = {s: [(7 * i + j) % 200 + 1 for j in range(16)] for i, s in enumerate(sessions)}
+    starts = {s: 0 for s in sessions}
+    cached = []
+    with RemoteInferenceClient([a, b]) as client:
+        for turn in range(3):
+            reqs = [GenerateRequest(prompts[s], max_tokens=3, temperature=0.0, return_routed_experts=True,
+                                    routed_experts_prompt_start=starts[s], session_id=s) for s in sessions]
+            outs = client.generate(reqs)
+            for s, out in zip(sessions, outs):
+                assert out.routed_experts.shape[0] == len(prompts[s]) - starts[s] + len(out.output_ids) - 1
+                starts[s] = len(prompts[s]) + len(out.output_ids) - 1
+                prompts[s] = prompts[s] + out.output_ids + [5, 6]  # next turn: the conversation so far
+                cached.append(out.cached_tokens if turn else None)
+    per = [httpx.get(u + "/v1/stats").json()["sessions"] for u in (a, b)]
+    for s in sessions:
+        assert sorted([per[0].get(s, 0), per[1].get(s, 0)]) == [0, 3], (s, per)  # one replica per session
+    assert all(c >= 16 for c in cached if c is not None), cached  # later turns reuse the earlier blocks
+
+
+def test_sigterm_exits_cleanly(cluster):
+    for name in list(cluster["procs"]):
+        proc, _ = cluster["procs"][name]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=60)
+            assert proc.returncode == 0, out
+            assert "Traceback" not in out, out
