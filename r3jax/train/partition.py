@@ -4,13 +4,13 @@ batches along ``data`` x ``fsdp`` (r3jax.sharding); and the mesh helpers the tra
 from __future__ import annotations
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from r3jax.sharding import AXES as MESH_AXES
-from r3jax.sharding import batch_multiple as batch_divisor
-from r3jax.sharding import batch_sharding
+from r3jax.sharding import batch_multiple as batch_divisor  # noqa: F401 (re-exported)
+from r3jax.sharding import batch_sharding  # noqa: F401 (re-exported)
+
 _EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj")
 
 

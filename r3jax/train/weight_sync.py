@@ -95,9 +95,9 @@ def _check_same_params(path, want: dict, have: dict) -> None:
 def push_to_engine(engine: Any, model_or_state: Any) -> int:
     """In-process sync: ``engine.set_weights(params)``; returns the engine's new weight_version.
 
-    The engine's programs were traced with single-device params; params placed on a trainer mesh
-    (NamedSharding) would make every engine program recompile after each sync. So leaves are handed
-    over on one device (the default device, where an ``Engine`` lives), gathered if sharded.
+    Leaves are handed over on one device (the default device, where an ``Engine`` lives), gathered
+    if sharded on a trainer mesh, so every sync presents the same placement: the engine compiles
+    its programs for trainer weights once (its first sync), not again on later syncs.
     """
     device = jax.devices()[0]
     single = lambda x: x if isinstance(getattr(x, "sharding", None), jax.sharding.SingleDeviceSharding) \
