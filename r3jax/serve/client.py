@@ -23,11 +23,12 @@ import json
 import random
 import threading
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import httpx
 
 from r3jax.serve import protocol
+from r3jax.serve.protocol import ServedModel
 
 try:
     import sniffio  # noqa: F401
@@ -37,9 +38,9 @@ except ImportError:
     import sys
 
     sys.modules.setdefault("sniffio", None)
-from r3jax.serve.protocol import ProtocolError, ServedModel
 
 _RETRY_STATUS = (502, 503, 504)
+_NOT_RETRIED = (httpx.LocalProtocolError, httpx.UnsupportedProtocol)  # our own request is malformed
 
 
 class RemoteError(RuntimeError):
@@ -97,6 +98,7 @@ class RemoteInferenceClient:
         self._headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
         self._loops: dict[asyncio.AbstractEventLoop, tuple[httpx.AsyncClient, asyncio.Semaphore]] = {}
         self._runner: tuple[asyncio.AbstractEventLoop, threading.Thread] | None = None
+        self._runner_lock = threading.Lock()
         self._rr = 0
         self.retries = 0  # attempts beyond the first, all requests together
 
@@ -104,6 +106,8 @@ class RemoteInferenceClient:
     def _http(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
         loop = asyncio.get_running_loop()
         if loop not in self._loops:
+            for stale in [lp for lp in self._loops if lp.is_closed()]:  # e.g. an earlier asyncio.run
+                del self._loops[stale]
             limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
             client = httpx.AsyncClient(timeout=self.timeout, limits=limits, headers=self._headers)
             self._loops[loop] = (client, asyncio.Semaphore(self.max_concurrency))
@@ -111,11 +115,12 @@ class RemoteInferenceClient:
 
     def _sync(self, coro):
         """Run ``coro`` on the client's private event loop thread and wait for it."""
-        if self._runner is None:
-            loop = asyncio.new_event_loop()
-            thread = threading.Thread(target=loop.run_forever, name="r3jax-client", daemon=True)
-            thread.start()
-            self._runner = (loop, thread)
+        with self._runner_lock:
+            if self._runner is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(target=loop.run_forever, name="r3jax-client", daemon=True)
+                thread.start()
+                self._runner = (loop, thread)
         return asyncio.run_coroutine_threadsafe(coro, self._runner[0]).result()
 
     def _backoff(self, attempt: int) -> float:
@@ -211,6 +216,8 @@ class RemoteInferenceClient:
                         return await self._attempt(request, body, replica)
                     finally:
                         replica.in_flight -= 1
+                except _NOT_RETRIED:
+                    raise
                 except (httpx.TransportError, _Retryable) as e:
                     if replica is not None and not isinstance(e, (httpx.ReadTimeout, httpx.WriteTimeout)):
                         self._mark_dead(replica)  # refused, reset, 503: skip it until /health answers
@@ -224,6 +231,13 @@ class RemoteInferenceClient:
     async def agenerate(self, requests: Sequence) -> list:
         """``Engine.generate`` over HTTP: one output per request, in order. If any request fails for
         good the others are cancelled and the error is raised (a call never half-succeeds)."""
+        from r3jax.engine import GenerateRequest
+
+        if isinstance(requests, GenerateRequest) or not isinstance(requests, Sequence):
+            raise ValueError(f"requests={type(requests).__name__}: expected a list of GenerateRequest")
+        for i, req in enumerate(requests):
+            if not isinstance(req, GenerateRequest):
+                raise ValueError(f"requests[{i}]={type(req).__name__}: expected a GenerateRequest")
         requests = list(requests)
         encode = protocol.sglang_body if self.protocol == "sglang" else protocol.request_body
         bodies = [json.dumps(encode(r), separators=(",", ":")).encode() for r in requests]  # validates s
@@ -240,7 +254,12 @@ class RemoteInferenceClient:
         return self._sync(self.agenerate(requests))
 
     async def amodel_info(self) -> dict:
-        """``GET /v1/model`` of the first live replica."""
+        """``GET /v1/model`` of a live replica (with ``protocol="sglang"``: the given ``model_info``)."""
+        if self.protocol == "sglang":
+            info = self.replicas[0].info
+            return {"num_experts": info.num_experts, "top_k": info.top_k, "num_moe_layers": len(info.moe_layer_ids),
+                    "moe_layer_ids": list(info.moe_layer_ids), "vocab_size": info.vocab_size,
+                    "max_seq_len": info.max_seq_len}
         return await self._retrying(lambda r: self._get(r, "/v1/model"))
 
     def model_info(self) -> dict:
@@ -274,6 +293,8 @@ class RemoteInferenceClient:
             try:
                 replica = await self._pick(None)
                 return await fn(replica)
+            except _NOT_RETRIED:
+                raise
             except (httpx.TransportError, _Retryable) as e:
                 if replica is not None:
                     self._mark_dead(replica)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
-from typing import Any
 
 import numpy as np
 

@@ -35,7 +35,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
     ap.add_argument("--batch-wait-ms", type=float, default=2.0, help="bounded wait to fill a batch")
     ap.add_argument("--seed", type=int, default=0, help="init seed of a preset model")
-    ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16"])
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                    help="param and compute dtype (default: the checkpoint's / preset's)")
     ap.add_argument("--graceful-timeout", type=float, default=30.0)
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)
@@ -85,7 +86,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from r3jax.serve.app import create_app
 
-    engine = build_engine(args)
+    try:
+        engine = build_engine(args)
+    except (ValueError, FileNotFoundError) as e:  # a bad --model / --config: say so, no traceback
+        raise SystemExit(f"python -m r3jax serve: {e}") from None
     app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                      max_wait_s=args.batch_wait_ms / 1000)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, restores these handlers and re-raises the

@@ -271,3 +271,27 @@ def test_weight_updates_orbax_and_safetensors(served, model, tmp_path):
     assert back.weight_version == v0 + 2
     assert back.output_ids == before.output_ids and back.logprobs == before.logprobs
     np.testing.assert_array_equal(back.routed_experts, before.routed_experts)
+
+
+def test_model_flag_loads_presets_hf_and_orbax_directories(model, tmp_path):
+    """``--model``: preset, Hugging Face dir, orbax params dir (config from --config or its config.json)."""
+    import jax
+
+    from models.hf import config_to_hf, save_pretrained
+    from r3jax.serve.weights import build_model
+    from r3jax.train import export_params
+
+    want = jax.tree.leaves(nnx.state(model, nnx.Param))
+    same_params = lambda m: all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(nnx.state(m, nnx.Param)), want))
+    assert build_model("tiny", seed=0).config == MoeConfig.tiny()
+    save_pretrained(model, tmp_path / "hf")
+    assert same_params(build_model(str(tmp_path / "hf")))
+    orbax = export_params(tmp_path / "orbax", model)
+    with pytest.raises(ValueError, match="without config.json: pass --config"):
+        build_model(str(orbax))
+    assert same_params(build_model(str(orbax), config="tiny"))
+    assert same_params(build_model(str(orbax), config=str(tmp_path / "hf")))
+    (orbax / "config.json").write_text(json.dumps(config_to_hf(MoeConfig.tiny())))
+    assert same_params(build_model(str(orbax)))
+    with pytest.raises(ValueError, match="preset='nope'"):
+        build_model("nope")

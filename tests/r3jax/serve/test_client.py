@@ -93,6 +93,9 @@ def test_start_checked_before_sending(serve_helpers):
             bad = GenerateRequest([1, 2, 3], routed_experts_prompt_start=s)
             with pytest.raises(ValueError, match="routed_experts_prompt_start"):
                 client.generate([REQ, bad])
+        for bad in (REQ, [REQ, {"prompt_ids": [1]}]):  # Engine.generate's argument checks, too
+            with pytest.raises(ValueError, match="expected a list of GenerateRequest|expected a GenerateRequest"):
+                client.generate(bad)
         assert httpx.get(srv.url + "/v1/stats").json()["requests"] == 0  # nothing was sent
         outs = client.generate([GenerateRequest([1, 2, 3], max_tokens=2, return_routed_experts=True,
                                                 routed_experts_prompt_start=s) for s in (0, 3)])
