@@ -240,6 +240,7 @@ class AgentLoop:
         self.mode = ("async" if hasattr(generator, "agenerate") else "batched") if mode == "auto" else mode
         self._info: dict | None = None
         self._next_group = 0
+        self._aio: asyncio.AbstractEventLoop | None = None
 
     @property
     def info(self) -> dict:
@@ -272,10 +273,27 @@ class AgentLoop:
         sample (samples of a prompt share ``group`` and env seed). New env seeds every call unless
         ``env_seeds`` is given. Not callable from a running event loop: use :meth:`arun` there."""
         if self.mode == "async":
-            return asyncio.run(self.arun(n_prompts, samples_per_prompt, env_seeds=env_seeds))
+            # One event loop for all runs, so the client's per-loop HTTP connections are reused.
+            if self._aio is None or self._aio.is_closed():
+                self._aio = asyncio.new_event_loop()
+            return self._aio.run_until_complete(self.arun(n_prompts, samples_per_prompt, env_seeds=env_seeds))
         rollouts = self._rollouts(n_prompts, samples_per_prompt, env_seeds, self.return_routed_experts)
         self._drive_batched(rollouts, self._generate_batched)
         return [r.result() for r in rollouts]
+
+    def close(self) -> None:
+        """Close the event loop :meth:`run` uses in async mode, and the generator's connections
+        opened from it (``aclose``); the generator stays usable."""
+        if self._aio is not None and not self._aio.is_closed():
+            if hasattr(self.generator, "aclose"):
+                self._aio.run_until_complete(self.generator.aclose())
+            self._aio.close()
+
+    def __enter__(self) -> "AgentLoop":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     async def arun(self, n_prompts: int, samples_per_prompt: int = 1, *,
                    env_seeds: Sequence[int] | None = None) -> list[Trajectory]:

@@ -119,7 +119,8 @@ class HFChatTokenizer:
         pad = tokenizer.token_to_id(pad_token) if pad_token else None
         self.pad_id = eos if pad is None else pad
         self.vocab_size = tokenizer.get_vocab_size() if vocab_size is None else vocab_size
-        self._tail, self._obs_head, self._obs_tail = self._pieces()
+        # turn_end: template text closing an assistant turn (starts with the stop token)
+        self.turn_end, self._obs_head, self._obs_tail = self._pieces()
 
     @classmethod
     def from_file(cls, tokenizer_json: str | Path, chat_template: str | None = None, *,

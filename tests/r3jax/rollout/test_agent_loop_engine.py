@@ -128,10 +128,11 @@ def test_http_client_incremental_equals_full_regather_and_engine(server, engine_
     from r3jax.serve.client import RemoteInferenceClient
 
     with RemoteInferenceClient(_wait_for(server)) as client:
-        inc_loop = _loop(client, max_concurrency=4)
-        assert inc_loop.mode == "async"
-        inc = inc_loop.run(2, 2, env_seeds=[11, 12])
-        full = _loop(client, full_regather=True).run(2, 2, env_seeds=[11, 12])
+        with _loop(client, max_concurrency=4) as inc_loop:
+            assert inc_loop.mode == "async"
+            inc = inc_loop.run(2, 2, env_seeds=[11, 12])
+        with _loop(client, full_regather=True) as full_loop:
+            full = full_loop.run(1, 2, env_seeds=[11]) + full_loop.run(1, 2, env_seeds=[12])  # loop reused
     _check_rollouts(inc, full, model)
     for a, e in zip(inc, engine_runs[0]):  # same weights, greedy: same as in process
         np.testing.assert_array_equal(a.tokens, e.tokens)
