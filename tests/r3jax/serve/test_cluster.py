@@ -119,7 +119,28 @@ def test_two_replicas_sticky_sessions_hit_the_prefix_cache(cluster):
     assert all(c >= 16 for c in cached if c is not None), cached  # later turns reuse the earlier blocks
 
 
-def test_sigterm_exits_cleanly(cluster):
+def test_sigterm_mid_run_answers_or_refuses_cleanly_and_exits_0(cluster):
+    """Requests racing SIGTERM either complete (200, a full answer) or are refused cleanly (no
+    connection, or 503); never a 5xx or a cut-off body. Then the processes exit with status 0."""
+    url = cluster["a"]
+    results = []
+
+    def hammer():
+        body = {"prompt_ids": [1, 2, 3], "sampling_params": {"max_tokens": 4, "temperature": 0.0}}
+        with httpx.Client(base_url=url, timeout=30) as http:
+            for _ in range(2000):
+                try:
+                    r = http.post("/v1/generate", json=body)
+                except httpx.TransportError:
+                    results.append("refused")
+                    return
+                results.append(r.status_code if r.status_code != 200 else len(r.json()["output_ids"]))
+
+    base = httpx.get(url + "/v1/stats").json()["requests"]
+    thread = threading.Thread(target=hammer)
+    thread.start()
+    while httpx.get(url + "/v1/stats").json()["requests"] - base < 3:
+        pass
     for name in list(cluster["procs"]):
         proc, _ = cluster["procs"][name]
         if proc.poll() is None:
@@ -127,3 +148,6 @@ def test_sigterm_exits_cleanly(cluster):
             out, _ = proc.communicate(timeout=60)
             assert proc.returncode == 0, out
             assert "Traceback" not in out, out
+    thread.join(60)
+    assert results.count(4) >= 3 and results[-1] in ("refused", 503), results[-5:]
+    assert set(results) <= {4, 503, "refused"}, set(results)
