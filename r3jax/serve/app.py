@@ -41,6 +41,7 @@ from r3jax.serve.protocol import BINARY_MEDIA_TYPE
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 MAX_SESSIONS = 1024
+OFFLOAD_BYTES = 256 << 10  # responses with more route bytes are encoded in a worker thread
 log = logging.getLogger("r3jax.serve")
 
 
@@ -99,6 +100,14 @@ class Guard:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+def _response(out, layers: list[int], binary: bool) -> Response:
+    obj, frame = schema.output_json(out, layers, binary_routes=binary)
+    if not binary:
+        return _json(obj)
+    head = json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
+    return Response(struct.pack("<I", len(head)) + head + frame, media_type=BINARY_MEDIA_TYPE)
 
 
 def model_info(engine) -> dict:
@@ -188,11 +197,10 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
         except ValueError as e:  # the engine refused it: still the client's input
             raise schema.engine_error(e) from None
         binary = BINARY_MEDIA_TYPE in request.headers.get("accept", "")
-        obj, frame = schema.output_json(out, layers, binary_routes=binary)
-        if not binary:
-            return _json(obj)
-        head = json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
-        return Response(struct.pack("<I", len(head)) + head + frame, media_type=BINARY_MEDIA_TYPE)
+        routes = out.routed_experts
+        if routes is not None and routes.nbytes > OFFLOAD_BYTES:  # base64 + JSON of MBs: off the loop
+            return await asyncio.to_thread(_response, out, layers, binary)
+        return _response(out, layers, binary)
 
     @app.post("/v1/weights", openapi_extra=_body_schema("WeightsBody"))
     async def weights(request: Request):

@@ -73,7 +73,6 @@ def bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.set_inheritable(True)
     return sock
 
 
@@ -98,5 +97,6 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, _exit_cleanly)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host
     print(f"r3jax serve: listening on http://{host}:{port}", flush=True)
     serve(app, sock, log_level=args.log_level, graceful_timeout=args.graceful_timeout)

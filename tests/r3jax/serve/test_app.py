@@ -74,13 +74,17 @@ def test_round_trip_equals_in_process_engine(served, binary):
                 assert remote.routed_experts.shape == (p - s + g - 1, 2, 2)
 
 
-def test_json_wire_form(served):
+def test_json_wire_form(served, monkeypatch):
+    import r3jax.serve.app as app_module
+
     engine, url = served
     body = {"prompt_ids": [5, 6, 7, 8, 9], "sampling_params": {"max_tokens": 4, "temperature": 0.0,
                                                                "routed_experts_prompt_start": 3},
             "return_routed_experts": True}
     r = httpx.post(url + "/v1/generate", json=body)
     assert r.status_code == 200, r.text
+    monkeypatch.setattr(app_module, "OFFLOAD_BYTES", 0)  # large-payload path: encoded in a thread
+    assert httpx.post(url + "/v1/generate", json=body).content == r.content
     obj = r.json()
     assert set(obj) == {"output_ids", "logprobs", "finish_reason", "routed_experts", "prompt_tokens",
                         "cached_tokens", "weight_version"}
