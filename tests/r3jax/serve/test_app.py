@@ -81,10 +81,10 @@ def test_json_wire_form(served, monkeypatch):
     body = {"prompt_ids": [5, 6, 7, 8, 9], "sampling_params": {"max_tokens": 4, "temperature": 0.0,
                                                                "routed_experts_prompt_start": 3},
             "return_routed_experts": True}
-    r = httpx.post(url + "/v1/generate", json=body)
+    r = httpx.post(url + "/v1/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
     monkeypatch.setattr(app_module, "OFFLOAD_BYTES", 0)  # large-payload path: encoded in a thread
-    assert httpx.post(url + "/v1/generate", json=body).content == r.content
+    assert httpx.post(url + "/v1/generate", json=body, timeout=60).content == r.content
     obj = r.json()
     assert set(obj) == {"output_ids", "logprobs", "finish_reason", "routed_experts", "prompt_tokens",
                         "cached_tokens", "weight_version"}
@@ -152,17 +152,16 @@ def test_bad_input_is_4xx_naming_the_field(http, raw, status, field):
     assert http.get("/health").status_code == 200  # still serving
 
 
-def test_streamed_body_over_limit_is_413(served):
-    _, url = served
+def test_streamed_body_over_limit_is_413(http):
 
     def chunks():  # no Content-Length: the limit must be enforced while reading
         yield b'{"prompt_ids": ['
         for _ in range(20):
             yield b"1," * 4000
         yield b"1]}"
-    r = httpx.post(url + "/v1/generate", content=chunks())
+    r = http.post("/v1/generate", content=chunks())
     assert r.status_code == 413 and r.json()["field"] == "body"
-    ok = httpx.post(url + "/v1/generate", json=body(temperature=0.0))
+    ok = http.post("/v1/generate", json=body(temperature=0.0))
     assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 2
 
 
@@ -205,15 +204,15 @@ def test_fuzzed_bodies_never_5xx(http, obj, raw):
 def test_auth_on_and_off(served, serve_helpers):
     engine, open_url = served
     ok = {"prompt_ids": [1, 2], "sampling_params": {"max_tokens": 2, "temperature": 0.0}}
-    assert httpx.post(open_url + "/v1/generate", json=ok).status_code == 200  # auth off: no token needed
+    assert httpx.post(open_url + "/v1/generate", json=ok, timeout=60).status_code == 200  # auth off: no token needed
     with serve_helpers.thread_server(create_app(engine, api_key="s3cret")) as srv:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
                         {"Authorization": "Bearer s3cre"}, {"Authorization": "Bearer s3cret2"}):
             for method, path in (("POST", "/v1/generate"), ("GET", "/v1/model"), ("POST", "/v1/weights")):
-                r = httpx.request(method, srv.url + path, json=ok, headers=headers)
+                r = httpx.request(method, srv.url + path, json=ok, headers=headers, timeout=60)
                 assert r.status_code == 401 and r.json()["field"] == "Authorization", (headers, path)
         assert httpx.get(srv.url + "/health").status_code == 200  # liveness stays open
-        r = httpx.post(srv.url + "/v1/generate", json=ok, headers={"Authorization": "Bearer s3cret"})
+        r = httpx.post(srv.url + "/v1/generate", json=ok, headers={"Authorization": "Bearer s3cret"}, timeout=60)
         assert r.status_code == 200
         req = GenerateRequest([1, 2], max_tokens=2, temperature=0.0)
         with RemoteInferenceClient(srv.url, api_key="s3cret") as client:
@@ -265,7 +264,7 @@ def test_weight_updates_orbax_and_safetensors(served, model, tmp_path):
                            (json.dumps({"path": str(tmp_path / "orbax"), "format": "safetensors"}).encode(), "path"),
                            (json.dumps({"path": str(export_params(tmp_path / "bad", reshaped)),
                                         "format": "orbax"}).encode(), "path")):
-            r = httpx.post(url + "/v1/weights", content=raw)
+            r = httpx.post(url + "/v1/weights", content=raw, timeout=60)
             assert r.status_code == 422 and r.json()["field"] == field, r.text
         assert engine.weight_version == v0 + 1  # refused loads change nothing
 
