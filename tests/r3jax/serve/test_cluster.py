@@ -21,9 +21,11 @@ ARGS = ("--max-batch-size", "2", "--max-seq-len", "64")
 
 
 @pytest.fixture(scope="module")
-def cluster(serve_helpers, request):
+def cluster(serve_helpers, request, tmp_path_factory):
     """Server A (started here), its port and the shared cache; tests restart A and add B."""
-    h, cache = serve_helpers, request.config.cache.mkdir("r3jax-serve-jax-cache")  # kept across runs
+    store = getattr(request.config, "cache", None)  # pytest's cache dir: kept across runs
+    cache = store.mkdir("r3jax-serve-jax-cache") if store else tmp_path_factory.mktemp("jax-cache")
+    h = serve_helpers
     state = {"procs": {}, "cache": cache}
 
     def start(name, port=None):
