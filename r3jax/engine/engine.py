@@ -15,10 +15,13 @@ from flax import nnx
 from models import MoeTransformer
 from r3jax.engine import decode as dev
 from r3jax.engine.prefix_cache import PrefixCache
-from r3jax.engine.programs import CountedJit, pow2_at_least, round_up
+from r3jax.engine.programs import CountedJit, pow2_at_least, pow2_at_most, round_up
 from r3jax.engine.request import GenerateOutput, GenerateRequest
 from r3jax.engine.sampling import seed_words
 from r3jax.routes import route_dtype
+
+
+_LOGITS_BYTES = 256 << 20  # most prefill logits held at once
 
 
 class Engine:
@@ -34,8 +37,9 @@ class Engine:
       max_batch_size: most requests decoded together.
       prefix_cache_bytes: device memory for the prefix cache (KV + route rows); 0 turns it off.
       dtype: compute dtype override (e.g. bf16 rollouts of an fp32 model); None keeps the model's.
-      moe_impl: expert kernel override ("dense" or "ragged") for the engine's own programs; None
-        keeps the model's.
+      moe_impl: expert kernel ("dense" or "ragged") of the engine's own programs; None picks "dense"
+        on CPU (faster there) and keeps the model's elsewhere. Routes are the router's choice either
+        way; only float summation order differs.
       block_size: tokens per prefix-cache block.
       prefill_chunk: most prompt tokens fed per prefill call (longer prompts take several calls).
       min_seq_bucket: smallest cache length bucket.
@@ -51,7 +55,12 @@ class Engine:
                                 ("prefill_chunk", prefill_chunk, 1), ("min_seq_bucket", min_seq_bucket, 1)]:
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise ValueError(f"Engine {name}={value!r}: expected an int >= {lo}")
+        if moe_impl is None and jax.default_backend() == "cpu":
+            # ragged_dot lowers to a dense masked matmul on CPU: K x the dense kernel's work, measured
+            # slower for decode (experiments/bench_decode.py); elsewhere keep the model's kernel
+            moe_impl = "dense"
         overrides = {k: v for k, v in (("dtype", dtype), ("moe_impl", moe_impl)) if v is not None}
+        overrides = {k: v for k, v in overrides.items() if v != getattr(model.config, k)}
         cfg = model.config.replace(**overrides)  # MoeConfig validates moe_impl
         self.config = cfg
         self.max_seq_len, self.max_batch_size = max_seq_len, max_batch_size
@@ -107,7 +116,8 @@ class Engine:
                 if not isinstance(req, GenerateRequest):
                     raise ValueError(f"requests[{i}]={type(req).__name__}: expected a GenerateRequest")
                 try:
-                    prompts.append(req.validate(vocab_size=self.config.vocab_size, max_seq_len=self.max_seq_len))
+                    prompts.append(req.validate(vocab_size=self.config.vocab_size,
+                                                max_seq_len=self.max_seq_len))
                 except ValueError as e:
                     raise ValueError(f"requests[{i}].{e}") from None
             seeds = [int(self._rng.integers(1 << 63)) if r.seed is None else r.seed for r in requests]
@@ -122,8 +132,9 @@ class Engine:
             return outputs
 
     def set_weights(self, params_state) -> int:
-        """Replace the parameters (an ``nnx.State`` shaped like ``nnx.state(model, nnx.Param)``), bump
-        and return ``weight_version``, and drop the prefix cache (its KV and routes are stale)."""
+        """Replace the parameters (an ``nnx.State`` shaped like ``nnx.state(model, nnx.Param)``, on any
+        devices: they are copied onto the current parameters' placement), bump and return
+        ``weight_version``, and drop the prefix cache (its KV and routes are stale)."""
         with self._lock:
             want = jax.tree_util.tree_flatten_with_path(self._params)
             got = jax.tree_util.tree_flatten_with_path(params_state)
@@ -134,7 +145,7 @@ class Engine:
                 if new.shape != old.shape or new.dtype != old.dtype:
                     raise ValueError(f"params_state{jax.tree_util.keystr(path)}: shape {new.shape} dtype "
                                      f"{new.dtype}, expected shape {old.shape} dtype {old.dtype}")
-            self._params = _copy(params_state)
+            self._params = _copy(params_state, like=self._params)
             self.weight_version += 1
             self._prefix.clear(self.weight_version)
             return self.weight_version
@@ -143,17 +154,47 @@ class Engine:
     def _run_batch(self, reqs, prompts, seeds) -> list[GenerateOutput]:
         n, bs = len(reqs), self.block_size
         b = pow2_at_least(n, hi=self.max_batch_size)
-        s_max = round_up(self.max_seq_len, bs)
         s = min(round_up(pow2_at_least(max(len(p) + r.max_tokens for p, r in zip(prompts, reqs)),
-                                       lo=self.min_seq_bucket), bs), s_max)
+                                       lo=self.min_seq_bucket), bs), round_up(self.max_seq_len, bs))
         slots = [self._prefix.match(p) for p in prompts]
         cached = [len(sl) * bs for sl in slots]
-        todo = [len(p) - c for p, c in zip(prompts, cached)]
-        t = pow2_at_least(max(todo), lo=16, hi=min(self.prefill_chunk, s))
         capture = self._prefix.enabled or any(r.return_routed_experts for r in reqs)
 
         cache, routes = self._init(batch=b, seq_len=s)
         cache, routes = self._prefix.load(cache, routes, slots)
+        cache, routes, logits = self._prefill_rows(cache, routes, prompts, cached, capture)
+        st = self._decode(self._params, self._rest, cache, routes, logits,
+                          self._row_params(b, reqs, prompts, seeds), capture=capture)
+        tokens, logprobs, n_gen, stopped, steps = jax.device_get(
+            (st.tokens, st.logprobs, st.n_gen, st.stopped, st.steps))
+        gens = [int(g) for g in n_gen[:n]]
+        fed = [len(p) + g - 1 for p, g in zip(prompts, gens)]  # rows [0, P + G - 1) exist
+        rows = self._route_rows(st.routes, reqs, fed)
+        self._prefix.store(st.cache, st.routes, [np.concatenate([p, tokens[r, :g - 1]])
+                                                 for r, (p, g) in enumerate(zip(prompts, gens))])
+
+        c = self._counters
+        c["requests"] += n
+        c["batches"] += 1
+        c["cached_tokens"] += sum(cached)
+        c["generated_tokens"] += sum(gens)
+        c["decode_steps"] += int(steps)
+        return [GenerateOutput(
+            output_ids=tokens[r, :g].tolist(),
+            logprobs=logprobs[r, :g].tolist() if req.return_logprobs else None,
+            finish_reason="stop" if stopped[r] else "length",
+            routed_experts=rows[r], prompt_tokens=len(prompts[r]), cached_tokens=cached[r],
+            weight_version=self.weight_version, routed_experts_start=req.routed_experts_prompt_start)
+            for r, (req, g) in enumerate(zip(reqs, gens))]
+
+    def _prefill_rows(self, cache, routes, prompts, cached, capture):
+        """Feed tokens ``[cached_r, P_r)`` of every row, in chunks of T (a power of two) right-padded
+        to the trash slot. Returns (cache, routes, logits [B, V] at each row's last prompt token)."""
+        b, s = routes.shape[:2]
+        todo = [len(p) - c for p, c in zip(prompts, cached)]
+        # the model returns logits at every fed position, [B, T, V] f32: bound that buffer
+        t_logits = pow2_at_most(max(16, _LOGITS_BYTES // (4 * b * self.config.vocab_size)))
+        t = pow2_at_least(max(todo), lo=16, hi=min(self.prefill_chunk, s, t_logits))
         logits = np.zeros((b, self.config.vocab_size), np.float32)
         chunks = -(-max(todo) // t)
         for ci in range(chunks):
@@ -168,32 +209,9 @@ class Engine:
                         last[r] = hi - lo - 1
             cache, routes, logits = self._prefill(self._params, self._rest, cache, routes, tokens,
                                                   positions, last, logits, capture=capture)
-
-        st = self._decode(self._params, self._rest, cache, routes, logits, self._row_params(b, reqs, prompts, seeds),
-                          capture=capture)
-        tokens, logprobs, n_gen, stopped, steps = jax.device_get(
-            (st.tokens, st.logprobs, st.n_gen, st.stopped, st.steps))
-        gens = [int(g) for g in n_gen[:n]]
-        fed = [len(p) + g - 1 for p, g in zip(prompts, gens)]  # rows [0, P + G - 1) exist
-        rows = self._route_rows(st.routes, reqs, fed)
-        self._prefix.store(st.cache, st.routes,
-                           [np.concatenate([p, tokens[r, :g - 1]]) for r, (p, g) in enumerate(zip(prompts, gens))])
-
-        c = self._counters
-        c["requests"] += n
-        c["batches"] += 1
-        c["prefill_tokens"] += sum(todo)
-        c["cached_tokens"] += sum(cached)
-        c["padded_prefill_tokens"] += chunks * b * t
-        c["generated_tokens"] += sum(gens)
-        c["decode_steps"] += int(steps)
-        return [GenerateOutput(
-            output_ids=tokens[r, :g].tolist(),
-            logprobs=logprobs[r, :g].tolist() if req.return_logprobs else None,
-            finish_reason="stop" if stopped[r] else "length",
-            routed_experts=rows[r], prompt_tokens=len(prompts[r]), cached_tokens=cached[r],
-            weight_version=self.weight_version, routed_experts_start=req.routed_experts_prompt_start)
-            for r, (req, g) in enumerate(zip(reqs, gens))]
+        self._counters["prefill_tokens"] += sum(todo)
+        self._counters["padded_prefill_tokens"] += chunks * b * t
+        return cache, routes, logits
 
     def _row_params(self, b, reqs, prompts, seeds) -> dev.RowParams:
         n = len(reqs)
@@ -204,10 +222,11 @@ class Engine:
             stop_ids[r, :len(req.stop_token_ids)] = np.asarray(req.stop_token_ids, np.int64)
         key_data = np.zeros((b, 2), np.uint32)
         key_data[:n] = [seed_words(sd) for sd in seeds]
+        field = lambda name, fill, dtype: pad((getattr(r, name) for r in reqs), fill, dtype)
         return dev.RowParams(
-            prompt_len=pad(map(len, prompts), 1, np.int32), max_new=pad((r.max_tokens for r in reqs), 1, np.int32),
-            live=pad([True] * n, False, np.bool_), temperature=pad((r.temperature for r in reqs), 0.0, np.float32),
-            top_k=pad((r.top_k for r in reqs), 0, np.int32), top_p=pad((r.top_p for r in reqs), 1.0, np.float32),
+            prompt_len=pad(map(len, prompts), 1, np.int32), max_new=field("max_tokens", 1, np.int32),
+            live=pad([True] * n, False, np.bool_), temperature=field("temperature", 0.0, np.float32),
+            top_k=field("top_k", 0, np.int32), top_p=field("top_p", 1.0, np.float32),
             key_data=key_data, stop_ids=stop_ids)
 
     def _route_rows(self, routes, reqs, fed) -> list[np.ndarray | None]:
@@ -239,6 +258,9 @@ def _programs(graphdef, cfg, rdtype) -> types.SimpleNamespace:
                        donate_argnames=("cache", "routes")))
 
 
-def _copy(tree):
-    """Own copies of the arrays, so nothing the caller later donates or deletes is shared."""
-    return jax.tree.map(lambda x: jax.device_put(x, may_alias=False), tree)
+def _copy(tree, like=None):
+    """Own copies of the arrays, so nothing the caller later donates or deletes is shared; placed like
+    ``like``'s leaves when given, so new weights never change the compiled programs' input placement."""
+    if like is None:
+        return jax.tree.map(lambda x: jax.device_put(x, may_alias=False), tree)
+    return jax.tree.map(lambda x, old: jax.device_put(x, old.sharding, may_alias=False), tree, like)

@@ -110,6 +110,8 @@ def _real_field(name, value, *, lo, lo_open, hi):
 
 def _token_array(name, value, vocab_size) -> np.ndarray:
     """A 1-D sequence of int token ids in [0, vocab_size) as int32 ``[N]``."""
+    if not isinstance(value, (list, tuple, range, np.ndarray)) and hasattr(value, "__array__"):
+        value = np.asarray(value)  # e.g. a jax.Array
     if isinstance(value, np.ndarray):
         if value.ndim != 1 or not (value.size == 0 or np.issubdtype(value.dtype, np.integer)):
             raise ValueError(f"{name}: array of dtype {value.dtype} and shape {value.shape}, "

@@ -21,7 +21,8 @@ def _stream(seed, n=50):
     for _ in range(n):
         p = int(rng.integers(1, 41))
         reqs.append(GenerateRequest(
-            prompt_ids=rng.integers(0, V, p).tolist(), max_tokens=int(rng.integers(1, min(13, MAX_SEQ - p + 1))),
+            prompt_ids=rng.integers(0, V, p).tolist(),
+            max_tokens=int(rng.integers(1, min(13, MAX_SEQ - p + 1))),
             temperature=float(rng.choice([0.0, 0.6, 1.0])), top_k=int(rng.choice([0, 3])),
             top_p=float(rng.choice([1.0, 0.9])), seed=int(rng.integers(0, 2**40)),
             stop_token_ids=rng.integers(0, V, int(rng.integers(0, 4))).tolist(),

@@ -127,9 +127,9 @@ def test_stop_token_is_included_and_ends_the_request(greedy, engine):
     req, ids = reqs[1], outs[1].output_ids
     stop = ids[2]
     first = ids.index(stop)
-    [out] = engine.generate([GenerateRequest(prompt_ids=req.prompt_ids, max_tokens=req.max_tokens, temperature=0.0,
-                                             stop_token_ids=[271, stop], return_routed_experts=True,
-                                             routed_experts_prompt_start=req.routed_experts_prompt_start)])
+    [out] = engine.generate([GenerateRequest(
+        prompt_ids=req.prompt_ids, max_tokens=req.max_tokens, temperature=0.0, stop_token_ids=[271, stop],
+        return_routed_experts=True, routed_experts_prompt_start=req.routed_experts_prompt_start)])
     assert out.output_ids == ids[:first + 1] and out.finish_reason == "stop"
     np.testing.assert_array_equal(out.routed_experts, outs[1].routed_experts[:len(req.prompt_ids) - 5 + first])
 
@@ -163,11 +163,13 @@ def test_set_weights_rejects_a_mismatched_tree(tiny_model, nocache):
     _, params, _ = nnx.split(tiny_model, nnx.Param, ...)
     bad = jax.tree.map(lambda x: x, params)
     bad["embed"].set_value(jnp.zeros((3, 3)))
-    with pytest.raises(ValueError, match=r"params_state\['embed'\].*shape \(3, 3\).*expected shape \(272, 64\)"):
+    version = nocache.weight_version
+    with pytest.raises(ValueError,
+                       match=r"params_state\['embed'\].*shape \(3, 3\).*expected shape \(272, 64\)"):
         nocache.set_weights(bad)
     with pytest.raises(ValueError, match=r"params_state: tree structure"):
         nocache.set_weights({"embed": params["embed"]})
-    assert nocache.weight_version == 0 or nocache.weight_version == 2  # unchanged by the failed calls
+    assert nocache.weight_version == version  # unchanged by the failed calls
 
 
 def test_concurrent_generate_calls_are_serialised(nocache):
@@ -175,8 +177,11 @@ def test_concurrent_generate_calls_are_serialised(nocache):
             for i in range(4)]
     want = [o.output_ids for o in nocache.generate(reqs)]
     got = {}
-    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, nocache.generate([reqs[i]])[0].output_ids))
-               for i in range(4)]
+
+    def run(i):
+        got[i] = nocache.generate([reqs[i]])[0].output_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
     for t in threads:
