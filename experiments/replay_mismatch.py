@@ -8,8 +8,9 @@ An fp32 trainer then scores the same tokens with ``eval_step`` twice: ``replay="
 routing) and ``replay="rollout"`` (R3). Reported over loss-active tokens (r3jax.metrics):
 routing disagreement (routes the trainer used vs the rollout's), tokens with any differing layer,
 the trainer router's own disagreement (``live_``, what replay overrides), mean |Δ|, k3 KL and F(2).
-Last, the fp32 train-step time with replay ÷ without on the bf16 batch, interleaved in one run
-(target <= 1.03). Writes experiments/results/replay_mismatch.{json,png}.
+Last, the fp32 train step with replay ÷ without on the bf16 batch (target <= 1.03): wall time in
+interleaved pairs, plus XLA's cost analysis of the two compiled programs (deterministic flops and
+bytes, immune to a busy machine). Writes experiments/results/replay_mismatch.{json,png}.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from r3jax.batch import collate
 from r3jax.engine import Engine, GenerateRequest
 from r3jax.sharding import shard_batch
 from r3jax.trace import RoutedExpertTrace
-from r3jax.train import LossConfig, eval_step, init_train_state, train_step
+from r3jax.train import LossConfig, eval_step, init_train_state, make_train_step
 
 COLUMNS = ["config", "rollout", "replay", "routing_disagreement", "token_any_disagreement",
            "live_routing_disagreement", "mean_abs_delta", "k3_kl", "f2", "fallback_fraction"]
@@ -55,23 +56,35 @@ def rollouts(engine: Engine, cfg: MoeConfig, *, n: int, prompt_len: int, max_tok
 
 
 def step_time_ratio(model, batch, *, reps: int) -> dict:
-    """fp32 train-step seconds with replay and without, run in interleaved pairs (order alternating)
-    so machine drift hits both; the ratio is the median of the per-pair ratios."""
+    """fp32 train-step cost with replay ÷ without, on the same batch.
+
+    Each mode's step (``make_train_step``: the jitted program ``train_step`` runs) is compiled once
+    ahead of time; its XLA cost analysis gives a deterministic flops / bytes ratio, and its wall time
+    is taken in interleaved pairs (order alternating) so machine drift hits both modes. The wall
+    ratio is the median of the per-pair ratios.
+    """
     tx = optax.adam(1e-4)
     states = {mode: init_train_state(model, tx) for mode in ("rollout", "none")}
     batch = shard_batch(batch, states["none"].mesh)  # on device up front: time the step alone
+    steps, cost = {}, {}
+    for mode, st in states.items():
+        steps[mode] = make_train_step(st, replay=mode, config=LossConfig()).lower(st, batch).compile()
+        ca = steps[mode].cost_analysis()
+        cost[mode] = ca[0] if isinstance(ca, (list, tuple)) else ca
     times = {"rollout": [], "none": []}
-    for i in range(reps + 1):  # the first round compiles and is discarded
+    for i in range(reps + 1):  # the first round warms up and is discarded
         for mode in ("none", "rollout") if i % 2 else ("rollout", "none"):
             t0 = time.perf_counter()
-            states[mode], m = train_step(states[mode], batch, replay=mode, config=LossConfig())
+            states[mode], m = steps[mode](states[mode], batch)
             jax.block_until_ready((states[mode], m))
             if i:
                 times[mode].append(time.perf_counter() - t0)
     pairs = [r / n for r, n in zip(times["rollout"], times["none"])]
+    ratio = lambda key: float(cost["rollout"].get(key, np.nan) / cost["none"].get(key, np.nan))
     return {"step_s_live": statistics.median(times["none"]), "step_s_replay": statistics.median(times["rollout"]),
             "replay_step_ratio": statistics.median(pairs),
-            "ratio_of_min": min(times["rollout"]) / min(times["none"]), "reps": reps}
+            "ratio_of_min": min(times["rollout"]) / min(times["none"]),
+            "xla_flops_ratio": ratio("flops"), "xla_bytes_ratio": ratio("bytes accessed"), "reps": reps}
 
 
 def measure(name: str, cfg: MoeConfig, *, n: int, prompt_len: int, max_tokens: int, reps: int,
@@ -144,7 +157,8 @@ def main():
     print()
     print(table(rows, COLUMNS))
     print()
-    print(table(timings, ["config", "tokens", "step_s_live", "step_s_replay", "replay_step_ratio", "ratio_of_min", "reps"]))
+    print(table(timings, ["config", "tokens", "step_s_live", "step_s_replay", "replay_step_ratio", "ratio_of_min",
+                       "xla_flops_ratio", "xla_bytes_ratio", "reps"]))
     summary = []
     for name in args.configs.split(","):
         get = lambda rollout, replay, k: next(x[k] for x in rows if (x["config"], x["rollout"], x["replay"]) == (name, rollout, replay))
