@@ -3,17 +3,20 @@
     python -m experiments.bench_serve [--quick]
 
 One run measures both sides with the same weights (tiny model, seed 0) and the same workload: N
-requests of random 16..24-token prompts, ``max_tokens`` new tokens (sampled, fixed seeds, no stop
-token), routes for every row (s = 0), binary route framing.
+requests of random 20-token prompts, ``max_tokens`` new tokens (sampled, fixed seeds, no stop
+token), routes for every row (s = 0), binary route framing. Both engines run without the prefix
+cache (independent requests; repeated passes must not turn into cache hits) and are warmed up with
+one batch of every batch-size bucket (``--warmup``), so no pass compiles.
 
-- HTTP: ``python -m r3jax serve`` in a subprocess (max batch 32); a ``RemoteInferenceClient`` with
-  ``max_concurrency`` = c sends all N requests; the server's dynamic batcher gathers what is in flight.
+- HTTP: ``python -m r3jax serve`` in a subprocess (max batch 32); one long-lived
+  ``RemoteInferenceClient`` per c (``max_concurrency`` = c, connections kept alive across passes)
+  sends all N requests; the server's dynamic batcher gathers what is in flight.
 - In process: ``Engine.generate`` on batches of c requests (the best batching c concurrent callers
   could get). ratio = HTTP requests/s ÷ in-process requests/s at the same c.
 - ``vs_serial`` at c > 1: HTTP wall time ÷ (N × the c = 1 HTTP time per request): how much less than
   "one request after another" concurrency costs.
-Each timed pass follows an untimed warm-up pass of the same workload (compiles every shape bucket);
-medians of ``--repeats`` interleaved passes. Wire bytes: one response per route format, measured on
+One untimed pass of the workload per level follows; medians of ``--repeats`` interleaved passes; the
+programs compiled during the timed passes are reported (0 expected). Wire bytes: one response per route format, measured on
 the actual HTTP body, per route row, against the raw array (rows × L × K × itemsize); the same
 encoders on a Qwen3-30B-A3B-shaped array (L = 48, K = 8) show the ratio at real size.
 """
@@ -44,14 +47,16 @@ import httpx  # noqa: E402
 from experiments.common import table, write_json  # noqa: E402
 from r3jax.engine import Engine, GenerateRequest  # noqa: E402
 from r3jax.serve import RemoteInferenceClient  # noqa: E402
+from r3jax.serve import server as server_lib  # noqa: E402
 from r3jax.serve.protocol import BINARY_MEDIA_TYPE  # noqa: E402
 
-MAX_BATCH, MAX_SEQ = 32, 128
+MAX_BATCH, MAX_SEQ, PROMPT = 32, 128, 20
 
 
-def start_server() -> tuple[subprocess.Popen, str]:
+def start_server(max_tokens: int) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "r3jax", "serve", "--model", "tiny", "--host", "127.0.0.1", "--port", "0",
-           "--max-batch-size", str(MAX_BATCH), "--max-seq-len", str(MAX_SEQ)]
+           "--max-batch-size", str(MAX_BATCH), "--max-seq-len", str(MAX_SEQ), "--prefix-cache-mb", "0",
+           "--warmup", f"{PROMPT}:{max_tokens}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "XLA_FLAGS": ""})
     line = ""
@@ -70,19 +75,18 @@ def start_server() -> tuple[subprocess.Popen, str]:
 
 def workload(n: int, max_tokens: int, vocab: int) -> list[GenerateRequest]:
     rng = np.random.default_rng(0)
-    return [GenerateRequest(rng.integers(0, vocab, int(rng.integers(16, 25))).tolist(), max_tokens=max_tokens,
+    return [GenerateRequest(rng.integers(0, vocab, PROMPT).tolist(), max_tokens=max_tokens,
                             temperature=1.0, seed=i, return_routed_experts=True) for i in range(n)]
 
 
-def http_pass(url: str, reqs, c: int) -> float:
-    async def go():
-        async with RemoteInferenceClient(url, max_concurrency=c) as client:
-            t0 = time.perf_counter()
-            outs = await client.agenerate(reqs)
-            dt = time.perf_counter() - t0
-        assert all(len(o.output_ids) == r.max_tokens for o, r in zip(outs, reqs))
-        return dt
-    return asyncio.run(go())
+def http_pass(loop, client: RemoteInferenceClient, reqs) -> float:
+    """One pass through a long-lived client (its keep-alive connections are reused across passes,
+    as in a rollout loop), on a long-lived event loop."""
+    t0 = time.perf_counter()
+    outs = loop.run_until_complete(client.agenerate(reqs))
+    dt = time.perf_counter() - t0
+    assert all(len(o.output_ids) == r.max_tokens for o, r in zip(outs, reqs))
+    return dt
 
 
 def engine_pass(engine: Engine, reqs, c: int) -> float:
@@ -131,26 +135,33 @@ def main():
 
     from models import MoeConfig, MoeTransformer
 
-    proc, url = start_server()
+    proc, url = start_server(max_tokens)
+    loop = asyncio.new_event_loop()
     try:
         engine = Engine(MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0)), max_seq_len=MAX_SEQ,
-                        max_batch_size=MAX_BATCH)
+                        max_batch_size=MAX_BATCH, prefix_cache_bytes=0)
+        server_lib.warmup(engine, PROMPT, max_tokens)
         info = httpx.get(url + "/v1/model").json()
         reqs = workload(n, max_tokens, info["vocab_size"])
         single = reqs[: max(8, n // 8)]  # c = 1 runs fewer requests (it is the slow case)
+        clients = {c: RemoteInferenceClient(url, max_concurrency=c) for c in levels}
         times = {("http", c): [] for c in levels} | {("engine", c): [] for c in levels}
         batches = {}
-        for c in levels:  # warm-up: every shape bucket compiled on both sides
+        programs = lambda: (httpx.get(url + "/v1/stats").json()["engine"]["compiled_programs"],
+                            engine.stats["compiled_programs"])
+        for c in levels:  # opens the clients' connections; the programs are already compiled
             work = single if c == 1 else reqs
-            http_pass(url, work, c), engine_pass(engine, work, c)
+            http_pass(loop, clients[c], work), engine_pass(engine, work, c)
+        warm = programs()
         for _ in range(repeats):
             for c in levels:
                 work = single if c == 1 else reqs
                 before = httpx.get(url + "/v1/stats").json()
-                times[("http", c)].append(http_pass(url, work, c))
+                times[("http", c)].append(http_pass(loop, clients[c], work))
                 after = httpx.get(url + "/v1/stats").json()
                 batches[c] = (after["batched_requests"] - before["batched_requests"]) / max(1, after["batches"] - before["batches"])
                 times[("engine", c)].append(engine_pass(engine, work, c))
+        compiled_while_timing = [b - a for a, b in zip(warm, programs())]
         rows = []
         per_req_serial = statistics.median(times[("http", 1)]) / len(single)
         for c in levels:
@@ -162,7 +173,10 @@ def main():
                          "http_vs_engine": te / th, "mean_server_batch": batches[c],
                          "vs_serial": th / (k * per_req_serial)})
         wire = wire_bytes(url, info)
+        for client in clients.values():
+            loop.run_until_complete(client.aclose())
     finally:
+        loop.close()
         proc.terminate()
         proc.wait(60)
     cols = ["concurrency", "requests", "new_tokens", "http_req_s", "http_tok_s", "engine_req_s", "engine_tok_s",
@@ -171,7 +185,9 @@ def main():
     print()
     print(table(wire, ["model", "rows", "raw_B_per_row", "json_B_per_row", "binary_B_per_row", "json_vs_raw",
                        "binary_vs_raw", "json_response_B_per_row", "binary_response_B_per_row"]))
+    print(f"programs compiled during the timed passes (server, in-process): {compiled_while_timing}")
     path = write_json("bench_serve", {"quick": args.quick, "repeats": repeats, "throughput": rows, "wire": wire,
+                                      "compiled_while_timing": compiled_while_timing,
                                       "max_batch_size": MAX_BATCH, "max_seq_len": MAX_SEQ})
     print("wrote", path)
 

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import random
@@ -68,6 +69,34 @@ class _Replica:
         self.sent = 0  # requests sent (attempts), for tests and load reports
 
 
+class _Pool:
+    """Connections of one event loop: ``ceil(max_concurrency / SHARD)`` ``httpx.AsyncClient``s of at
+    most SHARD connections each, and a semaphore of ``max_concurrency``. (httpcore's pool does work
+    proportional to its size for every request; small shards keep that cost flat.)"""
+
+    SHARD = 8
+
+    def __init__(self, max_concurrency: int, **kw):
+        n = -(-max_concurrency // self.SHARD)
+        size = -(-max_concurrency // n)
+        limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
+        self.clients = [httpx.AsyncClient(limits=limits, **kw) for _ in range(n)]
+        self.active = [0] * n
+        self.sem = asyncio.Semaphore(max_concurrency)
+
+    @contextlib.asynccontextmanager
+    async def client(self):
+        i = min(range(len(self.clients)), key=self.active.__getitem__)  # least busy shard
+        self.active[i] += 1
+        try:
+            yield self.clients[i]
+        finally:
+            self.active[i] -= 1
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(c.aclose() for c in self.clients))
+
+
 class RemoteInferenceClient:
     """HTTP client with the ``Engine.generate`` interface. Use as a (async) context manager or call
     :meth:`close` / :meth:`aclose`."""
@@ -96,21 +125,19 @@ class RemoteInferenceClient:
         for r in self.replicas:
             r.info = model_info
         self._headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
-        self._loops: dict[asyncio.AbstractEventLoop, tuple[httpx.AsyncClient, asyncio.Semaphore]] = {}
+        self._loops: dict[asyncio.AbstractEventLoop, _Pool] = {}
         self._runner: tuple[asyncio.AbstractEventLoop, threading.Thread] | None = None
         self._runner_lock = threading.Lock()
         self._rr = 0
         self.retries = 0  # attempts beyond the first, all requests together
 
     # ---- plumbing --------------------------------------------------------------------------
-    def _http(self) -> tuple[httpx.AsyncClient, asyncio.Semaphore]:
+    def _http(self) -> "_Pool":
         loop = asyncio.get_running_loop()
         if loop not in self._loops:
             for stale in [lp for lp in self._loops if lp.is_closed()]:  # e.g. an earlier asyncio.run
                 del self._loops[stale]
-            limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
-            client = httpx.AsyncClient(timeout=self.timeout, limits=limits, headers=self._headers)
-            self._loops[loop] = (client, asyncio.Semaphore(self.max_concurrency))
+            self._loops[loop] = _Pool(self.max_concurrency, timeout=self.timeout, headers=self._headers)
         return self._loops[loop]
 
     def _sync(self, coro):
@@ -129,9 +156,9 @@ class RemoteInferenceClient:
 
     # ---- replica choice --------------------------------------------------------------------
     async def _probe(self, replica: _Replica) -> None:
-        client, _ = self._http()
         try:
-            r = await client.get(replica.url + "/health", timeout=min(self.timeout, 2.0))
+            async with self._http().client() as client:
+                r = await client.get(replica.url + "/health", timeout=min(self.timeout, 2.0))
             replica.alive = r.status_code == 200
         except httpx.HTTPError:
             replica.alive = False
@@ -168,8 +195,8 @@ class RemoteInferenceClient:
 
     # ---- requests --------------------------------------------------------------------------
     async def _get(self, replica: _Replica, path: str) -> dict:
-        client, _ = self._http()
-        r = await client.get(replica.url + path)
+        async with self._http().client() as client:
+            r = await client.get(replica.url + path)
         self._raise_for(r, replica)
         return r.json()
 
@@ -188,23 +215,22 @@ class RemoteInferenceClient:
         raise RemoteError(f"{replica.url}: HTTP {r.status_code}: {body.get('detail')}")
 
     async def _attempt(self, request, body: bytes, replica: _Replica):
-        client, _ = self._http()
         info = await self._info(replica)
+        headers = {"Content-Type": "application/json"}
         if self.protocol == "sglang":
-            r = await client.post(replica.url + "/generate", content=body,
-                                  headers={"Content-Type": "application/json"})
+            async with self._http().client() as client:
+                r = await client.post(replica.url + "/generate", content=body, headers=headers)
             self._raise_for(r, replica)
             return protocol.parse_sglang(r.content, request, info, replica.url)
-        headers = {"Content-Type": "application/json"}
         if self.binary_routes:
             headers["Accept"] = f"{protocol.BINARY_MEDIA_TYPE}, application/json"
-        r = await client.post(replica.url + "/v1/generate", content=body, headers=headers)
+        async with self._http().client() as client:
+            r = await client.post(replica.url + "/v1/generate", content=body, headers=headers)
         self._raise_for(r, replica)
         return protocol.parse_response(r.content, r.headers.get("content-type", ""), request, info, replica.url)
 
     async def _one(self, request, body: bytes):
-        _, sem = self._http()
-        async with sem:
+        async with self._http().sem:
             attempt = 0
             while True:
                 replica = None
@@ -275,10 +301,9 @@ class RemoteInferenceClient:
 
     async def aupdate_weights(self, path: str, format: str = "orbax") -> list[int]:
         """``POST /v1/weights`` to every replica (each loads ``path`` itself); their new weight_versions."""
-        client, _ = self._http()
-
         async def post(replica):
-            r = await client.post(replica.url + "/v1/weights", json={"path": str(path), "format": format})
+            async with self._http().client() as client:
+                r = await client.post(replica.url + "/v1/weights", json={"path": str(path), "format": format})
             self._raise_for(r, replica)
             return int(r.json()["weight_version"])
         return list(await asyncio.gather(*(post(r) for r in self.replicas)))
@@ -308,7 +333,7 @@ class RemoteInferenceClient:
         """Close the connections opened from the running event loop (and the sync runner's)."""
         loop = asyncio.get_running_loop()
         if loop in self._loops:
-            await self._loops.pop(loop)[0].aclose()
+            await self._loops.pop(loop).aclose()
         if self._runner is not None and self._runner[0] is not loop:
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._close_runner_client(), self._runner[0]))
             self._stop_runner()
@@ -316,7 +341,7 @@ class RemoteInferenceClient:
     async def _close_runner_client(self) -> None:
         loop = asyncio.get_running_loop()
         if loop in self._loops:
-            await self._loops.pop(loop)[0].aclose()
+            await self._loops.pop(loop).aclose()
 
     def _stop_runner(self) -> None:
         if self._runner is not None:

@@ -35,17 +35,51 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
     ap.add_argument("--batch-wait-ms", type=float, default=2.0, help="bounded wait to fill a batch")
     ap.add_argument("--seed", type=int, default=0, help="init seed of a preset model")
+    ap.add_argument("--prefix-cache-mb", type=float, default=64.0,
+                    help="device memory for the engine's prefix cache (0 turns it off)")
+    ap.add_argument("--warmup", default=None, metavar="P:G",
+                    help="before serving, compile every batch-size bucket for P-token prompts and G new tokens")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                     help="param and compute dtype (default: the checkpoint's / preset's)")
     ap.add_argument("--graceful-timeout", type=float, default=30.0)
     ap.add_argument("--log-level", default="warning")
+    ap.add_argument("--switch-interval-ms", type=float, default=float(os.environ.get("R3JAX_SWITCH_MS", "5")),
+                    help="Python GIL switch interval for the server process (0: leave it)")
     args = ap.parse_args(argv)
     for name in ("max_batch_size", "max_seq_len", "max_body_bytes"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= 1")
     if not 0 <= args.port < 65536:
         ap.error(f"--port={args.port}: expected 0..65535")
+    if args.prefix_cache_mb < 0:
+        ap.error(f"--prefix-cache-mb={args.prefix_cache_mb}: expected >= 0")
+    if args.warmup is not None:
+        try:
+            p, g = (int(x) for x in args.warmup.split(":"))
+            assert p >= 1 and g >= 1 and p + g <= args.max_seq_len
+        except (ValueError, AssertionError):
+            ap.error(f"--warmup={args.warmup!r}: expected P:G, ints >= 1 with P + G <= --max-seq-len")
+        args.warmup = (p, g)
     return args
+
+
+def warmup(engine, prompt_len: int, max_tokens: int) -> int:
+    """Run one batch of every power-of-two size up to ``engine.max_batch_size`` (each a batch-size
+    bucket of the engine), routes on, so those programs are compiled before the first request.
+    Distinct prompts: no prefix-cache hits change the shapes. Returns the engine's program count."""
+    from r3jax.engine import GenerateRequest
+
+    vocab, b, k = engine.config.vocab_size, 1, 0
+    while True:
+        reqs = []
+        for _ in range(b):
+            reqs.append(GenerateRequest([(k * 7919 + j * 31 + 1) % vocab for j in range(prompt_len)],
+                                        max_tokens=max_tokens, temperature=0.0, return_routed_experts=True))
+            k += 1
+        engine.generate(reqs)
+        if b >= engine.max_batch_size:
+            return int(engine.stats.get("compiled_programs", 0))
+        b = min(2 * b, engine.max_batch_size)
 
 
 def build_engine(args: argparse.Namespace):
@@ -56,7 +90,8 @@ def build_engine(args: argparse.Namespace):
 
     dtype = None if args.dtype is None else getattr(jnp, args.dtype)
     model = build_model(args.model, config=args.config, seed=args.seed, dtype=dtype)
-    return Engine(model, max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size)
+    return Engine(model, max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
+                  prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)))
 
 
 def serve(app, sock: socket.socket, *, log_level: str = "warning", graceful_timeout: float = 30.0):
@@ -89,12 +124,18 @@ def main(argv: list[str] | None = None) -> None:
         engine = build_engine(args)
     except (ValueError, FileNotFoundError) as e:  # a bad --model / --config: say so, no traceback
         raise SystemExit(f"python -m r3jax serve: {e}") from None
+    if args.warmup is not None:
+        warmup(engine, *args.warmup)
     app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                      max_wait_s=args.batch_wait_ms / 1000)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, restores these handlers and re-raises the
     # signal: exit 0 then, instead of dying by the signal after a clean shutdown.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_cleanly)
+    if args.switch_interval_ms > 0:
+        # The engine thread runs long stretches of Python; the default 5 ms GIL switch interval makes
+        # the event loop wait that long after every socket call (the GIL convoy effect).
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host
