@@ -43,8 +43,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="param and compute dtype (default: the checkpoint's / preset's)")
     ap.add_argument("--graceful-timeout", type=float, default=30.0)
     ap.add_argument("--log-level", default="warning")
-    ap.add_argument("--switch-interval-ms", type=float, default=float(os.environ.get("R3JAX_SWITCH_MS", "5")),
-                    help="Python GIL switch interval for the server process (0: leave it)")
     args = ap.parse_args(argv)
     for name in ("max_batch_size", "max_seq_len", "max_body_bytes"):
         if getattr(args, name) < 1:
@@ -132,10 +130,6 @@ def main(argv: list[str] | None = None) -> None:
     # signal: exit 0 then, instead of dying by the signal after a clean shutdown.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_cleanly)
-    if args.switch_interval_ms > 0:
-        # The engine thread runs long stretches of Python; the default 5 ms GIL switch interval makes
-        # the event loop wait that long after every socket call (the GIL convoy effect).
-        sys.setswitchinterval(args.switch_interval_ms / 1000)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host

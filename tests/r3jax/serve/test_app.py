@@ -298,3 +298,16 @@ def test_model_flag_loads_presets_hf_and_orbax_directories(model, tmp_path):
     assert same_params(build_model(str(orbax)))
     with pytest.raises(ValueError, match="preset='nope'"):
         build_model("nope")
+
+
+def test_cli_arguments_are_checked(capsys):
+    from r3jax.serve.server import parse_args
+
+    args = parse_args(["--port", "0", "--warmup", "8:4", "--prefix-cache-mb", "0"])
+    assert (args.model, args.host, args.port, args.warmup, args.max_seq_len) == ("tiny", "127.0.0.1", 0, (8, 4), 256)
+    for bad, msg in ((["--warmup", "8"], "--warmup"), (["--warmup", "250:10"], "--warmup"),
+                     (["--max-batch-size", "0"], "--max-batch-size"), (["--port", "70000"], "--port"),
+                     (["--prefix-cache-mb", "-1"], "--prefix-cache-mb")):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+        assert msg in capsys.readouterr().err
