@@ -37,9 +37,10 @@ class Engine:
       max_batch_size: most requests decoded together.
       prefix_cache_bytes: device memory for the prefix cache (KV + route rows); 0 turns it off.
       dtype: compute dtype override (e.g. bf16 rollouts of an fp32 model); None keeps the model's.
-      moe_impl: expert kernel ("dense" or "ragged") of the engine's own programs; None picks "dense"
-        on CPU (faster there) and keeps the model's elsewhere. Routes are the router's choice either
-        way; only float summation order differs.
+      moe_impl: expert kernel of the engine's own programs (any MoeConfig.moe_impl); None picks the
+        fastest decode kernel on CPU ("loop" where the model offers it, else "dense") and keeps the
+        model's elsewhere. Routes are the router's choice either way; only float summation order
+        differs.
       block_size: tokens per prefix-cache block.
       prefill_chunk: most prompt tokens fed per prefill call (longer prompts take several calls).
       min_seq_bucket: smallest cache length bucket.
@@ -56,9 +57,7 @@ class Engine:
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise ValueError(f"Engine {name}={value!r}: expected an int >= {lo}")
         if moe_impl is None and jax.default_backend() == "cpu":
-            # ragged_dot lowers to a dense masked matmul on CPU: K x the dense kernel's work, measured
-            # slower for decode (experiments/bench_decode.py); elsewhere keep the model's kernel
-            moe_impl = "dense"
+            moe_impl = _cpu_moe_impl(model.config)
         overrides = {k: v for k, v in (("dtype", dtype), ("moe_impl", moe_impl)) if v is not None}
         overrides = {k: v for k, v in overrides.items() if v != getattr(model.config, k)}
         cfg = model.config.replace(**overrides)  # MoeConfig validates moe_impl
@@ -241,6 +240,17 @@ class Engine:
         length = pow2_at_least(max(fed[r] - start[r] for r in want), lo=16, hi=routes.shape[1])
         window = np.asarray(self._read(routes, start, length=length))
         return [window[r, :fed[r] - start[r]].copy() if r in want else None for r in range(len(reqs))]
+
+
+def _cpu_moe_impl(cfg) -> str:
+    """Decode on CPU: "loop" (runs only the chosen experts) if this MoeConfig accepts it, else "dense"
+    (ragged_dot lowers to a dense masked matmul on CPU: K x the dense kernel's work). Measured in
+    experiments/bench_decode.py."""
+    try:
+        cfg.replace(moe_impl="loop")
+        return "loop"
+    except ValueError:
+        return "dense"
 
 
 _read_routes = jax.jit(dev.read_routes, static_argnames=("length",))
