@@ -139,7 +139,8 @@ class WireMeter:
         self.protocol.parse_response = self.parse
 
 
-def run_case(client, url, meter, turns: int, mode: str, n: int, max_tokens: int, max_seq_len: int) -> tuple[dict, list]:
+def run_case(client, url, meter, turns: int, mode: str, n: int, max_tokens: int,
+             max_seq_len: int) -> tuple[dict, list]:
     import httpx
 
     from r3jax.rollout import AgentLoop, ArithmeticEnv
@@ -233,8 +234,15 @@ def measure(url: str, model: str, turns: list[int], wires: list[str], n: int, ma
                         results.append({"wire": wire, **row})
                         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in results[-1].items()},
                               flush=True)
-                    for a, b in zip(pair["incremental"], pair["full"]):
-                        identical &= bool(np.array_equal(a.tokens, b.tokens) and np.array_equal(a.routes, b.routes))
+                    both = list(zip(pair["incremental"], pair["full"]))
+                    same_tokens = all(np.array_equal(a.tokens, b.tokens) for a, b in both)
+                    # route rows (same tokens) where the two modes recorded different ids: the rows come
+                    # from different engine programs (decode step vs prefill chunk, other batch shapes)
+                    diff = (sum(int((a.routes != b.routes).any((1, 2)).sum()) for a, b in both)
+                            if same_tokens else None)
+                    for r in results[-2:]:
+                        r["same_tokens_both_modes"], r["route_rows_differing_between_modes"] = same_tokens, diff
+                    identical &= same_tokens and diff == 0
     finally:
         meter.close()
     return results, identical
@@ -288,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ratios = ratios_of(results)
     cols = ["wire", "T", "mode", "tokens", "rows", "raw_bytes", "wire_route_bytes", "server_gather_ms",
-            "server_encode_ms", "client_decode_ms", "rollout_s"]
+            "server_encode_ms", "client_decode_ms", "rollout_s", "route_rows_differing_between_modes"]
     cols += ["qwen3_30b_bytes_projected"] if args.model == "tiny" else []
     row_bytes = results[0]["raw_bytes"] // max(results[0]["rows"], 1)
     print(f"\n{n} trajectories per case, model {args.model} ({row_bytes} bytes per route row), <= "

@@ -234,7 +234,9 @@ class AgentLoop:
             raise ValueError(f"mode='async': generator {type(generator).__name__} has no agenerate")
         self.generator, self.env_factory = generator, env_factory
         self.max_turns, self.max_seq_len = max_turns, max_seq_len
-        self.sampling = SamplingParams(**sampling) if isinstance(sampling, dict) else (sampling or SamplingParams())
+        if isinstance(sampling, dict):
+            sampling = SamplingParams(**sampling)
+        self.sampling = sampling or SamplingParams()
         self.full_regather, self.return_routed_experts = full_regather, return_routed_experts
         self.max_concurrency, self.seed, self.session_prefix = max_concurrency, seed, session_prefix
         self.mode = ("async" if hasattr(generator, "agenerate") else "batched") if mode == "auto" else mode

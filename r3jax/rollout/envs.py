@@ -52,14 +52,18 @@ class ArithmeticEnv(_TokenEnv):
 
     Each question starts from the *correct* previous total, so a wrong answer is corrected by the
     next question. Per turn: 1 for the right digit, 0.2 for a wrong digit (format credit), 0
-    otherwise; scaled by ``1 / num_turns`` so an episode's reward is in [0, 1].
+    otherwise; scaled by ``1 / num_turns`` so an episode's reward is in [0, 1]. Addends are drawn
+    from ``0..max_addend``; ``max_addend=0`` is the "echo" task (repeat the running total), which a
+    tiny model learns by RL within a few dozen steps.
     """
 
-    def __init__(self, tokenizer: ChatTokenizer | None = None, *, num_turns: int = 3):
+    def __init__(self, tokenizer: ChatTokenizer | None = None, *, num_turns: int = 3, max_addend: int = 9):
         if isinstance(num_turns, bool) or not isinstance(num_turns, int) or num_turns < 1:
             raise ValueError(f"num_turns={num_turns!r}: expected an int >= 1")
+        if isinstance(max_addend, bool) or not isinstance(max_addend, int) or not 0 <= max_addend <= 9:
+            raise ValueError(f"max_addend={max_addend!r}: expected an int in [0, 9]")
         super().__init__(tokenizer)
-        self.num_turns = num_turns
+        self.num_turns, self.max_addend = num_turns, max_addend
         self._rng = random.Random(0)
 
     @staticmethod
@@ -68,7 +72,8 @@ class ArithmeticEnv(_TokenEnv):
 
     def reset(self, seed: int) -> list[int]:
         self._rng = random.Random(seed)
-        self._state = ArithmeticState(self._rng.randrange(10), self._rng.randrange(10), 0, self.num_turns)
+        self._state = ArithmeticState(self._rng.randrange(10), self._rng.randrange(self.max_addend + 1), 0,
+                                     self.num_turns)
         return self.tokenizer.initial_prompt(self.question(self._state))
 
     def reference_action(self, state: ArithmeticState | None = None) -> list[int]:
@@ -80,7 +85,7 @@ class ArithmeticEnv(_TokenEnv):
         answer, got = (s.total + s.addend) % 10, self._digit(action)
         credit = 0.0 if got is None else (1.0 if got == answer else 0.2)
         turn = s.turn + 1
-        self._state = ArithmeticState(answer, self._rng.randrange(10), turn, s.num_turns)
+        self._state = ArithmeticState(answer, self._rng.randrange(self.max_addend + 1), turn, s.num_turns)
         if turn == s.num_turns:
             return [], credit / s.num_turns, True
         return self.tokenizer.observation(self.question(self._state)), credit / s.num_turns, False
@@ -140,11 +145,16 @@ class GuessNumberEnv(_TokenEnv):
         return self.tokenizer.observation(reply), 0.0, False
 
 
-ENVS = {"arithmetic": ArithmeticEnv, "guess_number": GuessNumberEnv}
+def EchoEnv(tokenizer: ChatTokenizer | None = None, *, num_turns: int = 3) -> ArithmeticEnv:
+    """The running-sum dialogue with every addend 0: repeat the total (the demo's default task)."""
+    return ArithmeticEnv(tokenizer, num_turns=num_turns, max_addend=0)
+
+
+ENVS = {"arithmetic": ArithmeticEnv, "echo": EchoEnv, "guess_number": GuessNumberEnv}
 
 
 def make_env(name: str, tokenizer: ChatTokenizer | None = None, **kwargs):
-    """A built-in environment by name: ``"arithmetic"`` or ``"guess_number"``."""
+    """A built-in environment by name: ``"arithmetic"``, ``"echo"`` or ``"guess_number"``."""
     if name not in ENVS:
         raise ValueError(f"env={name!r}: expected one of {sorted(ENVS)}")
     return ENVS[name](tokenizer, **kwargs)

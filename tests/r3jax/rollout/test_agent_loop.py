@@ -118,7 +118,8 @@ def test_loss_active_target_after_the_gap_is_refused():
     trace.finalize(token_count=t.num_tokens, loss_mask=t.loss_mask)  # the loop's own mask is fine
     bad = t.loss_mask.copy()
     bad[-1] = 1.0  # the synthetic EOS, after the last recorded row
-    with pytest.raises(ValueError, match=f"missing routed-expert row for loss-active target at token {t.num_tokens - 1}"):
+    want = f"missing routed-expert row for loss-active target at token {t.num_tokens - 1}"
+    with pytest.raises(ValueError, match=want):
         trace.finalize(token_count=t.num_tokens, loss_mask=bad)
 
 
@@ -158,8 +159,9 @@ def test_broken_prefix_raises(mode):
 
 
 def test_missing_routes_raise():
-    with pytest.raises(MissingRoutesError, match=r"turn 0 of trajectory \(group 0, sample 0\): the generator "
-                                                  r"returned no routed_experts although return_routed_experts=True"):
+    want = (r"turn 0 of trajectory \(group 0, sample 0\): the generator returned no routed_experts "
+            r"although return_routed_experts=True")
+    with pytest.raises(MissingRoutesError, match=want):
         _loop(FakeGenerator(drop_routes=True)).run(1, 1)
 
 
