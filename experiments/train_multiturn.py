@@ -32,19 +32,19 @@ import numpy as np
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m r3jax demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="tiny", help="model preset or Hugging Face directory")
-    ap.add_argument("--env", default="guess_number", help="built-in environment")
+    ap.add_argument("--env", default="echo", help="built-in environment (echo, arithmetic, guess_number)")
     ap.add_argument("--replay", default="both", choices=["both", "rollout", "none"])
     ap.add_argument("--in-process", action="store_true", help="in-process engine instead of the server")
     ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    ap.add_argument("--steps", type=int, default=30, help="RL steps per run")
-    ap.add_argument("--prompts", type=int, default=8, help="environments per step")
+    ap.add_argument("--steps", type=int, default=40, help="RL steps per run")
+    ap.add_argument("--prompts", type=int, default=16, help="environments per step")
     ap.add_argument("--samples", type=int, default=4, help="samples per environment (GRPO group)")
-    ap.add_argument("--max-turns", type=int, default=4)
+    ap.add_argument("--max-turns", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=4, help="tokens per turn")
     ap.add_argument("--max-seq-len", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--warmup-steps", type=int, default=15, help="supervised steps on demonstrations")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup-steps", type=int, default=30, help="supervised steps on demonstrations")
     ap.add_argument("--warmup-batch", type=int, default=32)
     ap.add_argument("--rollout-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--save-every", type=int, default=5)
@@ -68,7 +68,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "r3jax", "serve", "--model", args.config, "--host", "127.0.0.1",
                "--port", "0", "--max-seq-len", str(args.max_seq_len),
                "--max-batch-size", str(args.prompts * args.samples), "--seed", str(args.seed),
-               "--dtype", args.rollout_dtype]
+               "--dtype", args.rollout_dtype, "--batch-wait-ms", "20"]  # gather a turn's requests
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True)
         line = self.proc.stdout.readline()  # the server prints its address once bound
