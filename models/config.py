@@ -35,7 +35,9 @@ class MoeConfig:
     tie_embeddings: bool = False
     dtype: Any = jnp.float32  # compute dtype
     param_dtype: Any = jnp.float32
-    moe_impl: str = "ragged"  # "ragged" (dropless grouped matmul) or "dense" (one-hot reference)
+    # "ragged" (dropless grouped matmul), "dense" (one-hot reference) or "loop" (per-expert loop that
+    # skips unchosen experts: decode on CPU)
+    moe_impl: str = "ragged"
     router_aux_loss_coef: float = 0.001
 
     def __post_init__(self):
@@ -44,7 +46,7 @@ class MoeConfig:
             ("top_k", 1 <= self.top_k <= self.num_experts, f"in [1, num_experts={self.num_experts}]"),
             ("first_dense_layers", 0 <= self.first_dense_layers <= self.num_layers,
              f"in [0, num_layers={self.num_layers}]"),
-            ("moe_impl", self.moe_impl in ("ragged", "dense"), "'ragged' or 'dense'"),
+            ("moe_impl", self.moe_impl in ("ragged", "dense", "loop"), "'ragged', 'dense' or 'loop'"),
             ("head_dim", self.head_dim % 2 == 0, "even (RoPE rotates pairs)"),
         ]
         for name, ok, expected in checks:

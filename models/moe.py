@@ -60,6 +60,29 @@ def experts_dense(x, ids, weights, gate, up, down):
     return jnp.einsum("ne,ned->nd", combine.astype(x.dtype), out)
 
 
+def experts_loop(x, ids, weights, gate, up, down):
+    """Decode kernel: loop over the experts, skipping (``lax.cond``) every expert no token chose.
+
+    Same contract as :func:`experts_dense`. A chosen expert runs over all N tokens, scaled by its
+    combine weight (0 for tokens that did not choose it), so only chosen experts' weights are read:
+    the cheap kernel for small N (decode), where most experts go unchosen. When every expert is
+    chosen it does the dense kernel's work, as plain per-expert matmuls.
+    """
+    num_experts = gate.shape[0]
+    onehot = jax.nn.one_hot(ids, num_experts, dtype=weights.dtype)  # [N, K, E]
+    combine = jnp.sum(onehot * weights[..., None], axis=1).astype(x.dtype)  # [N, E]
+    chosen = jnp.any(onehot > 0, axis=(0, 1))  # [E]
+
+    def expert(e, acc):
+        def run(acc):
+            h = jax.nn.silu(x @ gate[e]) * (x @ up[e])
+            return acc + (h @ down[e]) * combine[:, e, None]
+
+        return jax.lax.cond(chosen[e], run, lambda a: a, acc)
+
+    return jax.lax.fori_loop(0, num_experts, expert, jnp.zeros_like(x))
+
+
 def experts_ragged(x, ids, weights, gate, up, down):
     """Dropless kernel: sort (token, slot) pairs by expert and run grouped matmuls.
 
@@ -100,7 +123,7 @@ class MoeBlock(nnx.Module):
         flat = lambda a: None if a is None else a.reshape(b * t, *a.shape[2:])
         ids, weights, live = select_experts(probs, cfg.top_k, cfg.norm_topk_prob,
                                             flat(replay_ids), flat(replay_mask))
-        kernel = experts_ragged if cfg.moe_impl == "ragged" else experts_dense
+        kernel = {"ragged": experts_ragged, "dense": experts_dense, "loop": experts_loop}[cfg.moe_impl]
         y = kernel(xf, ids, weights.astype(dt), self.gate_proj[...].astype(dt),
                    self.up_proj[...].astype(dt), self.down_proj[...].astype(dt))
         mask = jnp.ones((b * t,), bool) if token_mask is None else token_mask.reshape(b * t)

@@ -103,9 +103,10 @@ def test_router_gradient_under_replay(setup):
         assert float(jnp.abs(g).max()) > 0.0, f"router of layer {layer_id} got no gradient"
 
 
-def test_dense_and_ragged_kernels_agree(setup):
+@pytest.mark.parametrize("impl", ["dense", "loop"])
+def test_dense_and_ragged_kernels_agree(setup, impl):
     cfg, model, _, tokens, positions, out = setup
-    dense = MoeTransformer(cfg.replace(moe_impl="dense"), rngs=nnx.Rngs(0))
+    dense = MoeTransformer(cfg.replace(moe_impl=impl), rngs=nnx.Rngs(0))
     out_d = _fwd(dense)(tokens, positions)
     np.testing.assert_array_equal(out_d.routes, out.routes)
     np.testing.assert_allclose(out_d.logits, out.logits, atol=1e-5, rtol=0)
