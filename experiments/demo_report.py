@@ -48,10 +48,13 @@ def plot(runs: dict[str, list[dict]], transfer: dict, path: Path) -> None:
         for mode, recs in runs.items():
             ax.plot([r["step"] for r in recs], [r[key] for r in recs], marker=".", label=LABEL.get(mode, mode))
         ax.set_title(title), ax.set_xlabel("RL step"), ax.grid(alpha=0.3), ax.legend()
+        if key == "k3_kl":
+            ax.set_yscale("log")  # replay's effect is an order of magnitude
     ax = axes.flat[3]
     for name, per_turn in transfer.items():
         ax.plot(np.arange(1, len(per_turn) + 1), np.asarray(per_turn) / 1024, marker="o", label=name)
     ax.set_title("route KiB received per turn (one batch)"), ax.set_xlabel("turn"), ax.grid(alpha=0.3)
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
