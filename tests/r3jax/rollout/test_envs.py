@@ -57,13 +57,13 @@ def test_guess_number_feedback_and_rewards():
     assert done and r == pytest.approx(0.3 * (1 - abs(wrong - secret) / 9))
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "guess_number"])
+@pytest.mark.parametrize("name", ["arithmetic", "echo", "guess_number"])
 def test_oracle_is_optimal_and_random_play_stays_in_unit_interval(name):
     env = make_env(name)
     rng = random.Random(0)
     for seed in range(30):
         total, turns = _episode(env, seed, lambda e: e.reference_action())
-        if name == "arithmetic":
+        if name in ("arithmetic", "echo"):
             assert total == pytest.approx(1.0) and turns == 3
         else:
             assert turns <= 4 and total == pytest.approx(1.0 - 0.1 * (turns - 1))
@@ -72,7 +72,7 @@ def test_oracle_is_optimal_and_random_play_stays_in_unit_interval(name):
 
 
 def test_env_validation():
-    with pytest.raises(ValueError, match=r"env='chess': expected one of \['arithmetic', 'guess_number'\]"):
+    with pytest.raises(ValueError, match=r"env='chess': expected one of \['arithmetic', 'echo', 'guess_number'\]"):
         make_env("chess")
     with pytest.raises(ValueError, match=r"num_turns=0: expected an int >= 1"):
         ArithmeticEnv(num_turns=0)
