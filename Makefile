@@ -19,5 +19,10 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/python -m r3jax demo
 
+# Every experiment script (tables on stdout, JSON/PNG under experiments/results/). Slow on CPU.
+bench: $(STAMP)
+	for m in bench_model bench_trace bench_decode bench_serve transfer_cost replay_mismatch; do \
+	  $(VENV)/bin/python -m experiments.$$m $(BENCH_ARGS) || exit 1; done
+
 clean:
 	rm -rf $(VENV) runs
