@@ -1,0 +1,107 @@
+"""Render the README's measurement tables from experiments/results/*.json (the latest runs).
+
+    python -m experiments.readme_tables [--write]
+
+Prints the Markdown for every placeholder; ``--write`` replaces the tables between the
+``<!-- NAME -->`` / ``<!-- /NAME -->`` markers in README.md, so the README always shows the
+numbers of the JSON files on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from experiments.common import RESULTS, table
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _load(name):
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _t(rows, cols):
+    return table(rows, cols) if rows else "(not run yet)"
+
+
+def tables() -> dict[str, str]:
+    out = {}
+    d = _load("bench_model")
+    if d:
+        out["BENCH_MODEL"] = _t(d["rows"], ["config", "moe_impl", "B", "T", "live_tok_s", "replay_tok_s",
+                                            "replay_overhead"])
+    d = _load("bench_decode")
+    if d:
+        out["BENCH_DECODE"] = _t(d["decode"], ["config", "moe_impl", "B", "ours_capture_on_tok_s",
+                                               "ours_capture_off_tok_s", "capture_on_over_off", "hf_tok_s",
+                                               "ours_over_hf", "hf_same_tokens"])
+        out["BENCH_KERNELS"] = _t(d["kernels"], ["config", "moe_impl", "B", "tok_s"])
+        out["BENCH_MULTITURN"] = _t([m for m in d["multiturn"] if m["turn"] in (1, 2, 4, 8, 16)],
+                                    ["turn", "prompt_tokens", "cached_tokens", "prefill_tokens_with_cache",
+                                     "prefill_tokens_without_cache"])
+    d = _load("bench_trace")
+    if d:
+        out["BENCH_TRACE_TIME"] = _t(d["append"], ["turns", "MiB", "trace_ms", "naive_ms", "trace_us_per_turn",
+                                                   "naive_us_per_turn", "naive_over_trace"])
+        out["BENCH_TRACE_WIRE"] = _t([w for w in d["wire"] if w["rows"] > 1],
+                                     ["model", "dtype", "raw_B_row", "json_b64_B_row", "binary_B_row",
+                                      "json_over_raw", "binary_over_raw", "sglang_over_raw"])
+        out["BENCH_TRACE_FILL"] = _t(d["fill"], ["layout", "trajectories", "rows", "fill_ratio", "slots_vs_padded"])
+    d = _load("bench_serve")
+    if d:
+        out["BENCH_SERVE"] = (_t(d["throughput"], ["concurrency", "requests", "http_req_s", "http_tok_s",
+                                                  "engine_req_s", "http_vs_engine", "mean_server_batch",
+                                                  "vs_serial"]) + "\n\n"
+                              + _t(d["wire"], ["model", "raw_B_per_row", "json_B_per_row", "binary_B_per_row",
+                                               "json_vs_raw", "binary_vs_raw"]))
+    d = _load("transfer_cost_route_heavy") or _load("transfer_cost")
+    if d:
+        out["BENCH_TRANSFER"] = _t(d["ratios"], ["wire", "T", "expected_(T+1)/2", "rows_ratio",
+                                                 "wire_route_bytes_ratio", "server_gather_ratio",
+                                                 "server_encode_ratio", "client_decode_ratio"])
+        out["BENCH_TRANSFER_ABS"] = _t([r for r in d["rows"] if r["T"] == max(x["T"] for x in d["rows"])],
+                                       ["wire", "T", "mode", "rows", "raw_bytes", "wire_route_bytes",
+                                        "server_gather_ms", "server_encode_ms", "client_decode_ms"])
+    d = _load("replay_mismatch")
+    if d:
+        out["BENCH_REPLAY"] = _t(d["rows"], ["config", "rollout", "replay", "routing_disagreement",
+                                             "token_any_disagreement", "live_routing_disagreement",
+                                             "mean_abs_delta", "k3_kl", "f2"])
+        out["BENCH_REPLAY_TIME"] = ("Train step with replay ÷ without (fp32, bf16 batch; target ≤ 1.03): wall "
+                                    "time in interleaved pairs, and XLA's cost analysis of the two compiled "
+                                    "programs.\n\n" + _t(d.get("timing", []), [
+                                        "config", "tokens", "step_s_live", "step_s_replay", "replay_step_ratio",
+                                        "ratio_of_min", "xla_flops_ratio", "xla_bytes_ratio", "reps"]))
+    d = _load("demo_summary")
+    if d:
+        out["DEMO_RESULTS"] = _t(d["runs"], ["run", "steps", "reward_first", "reward_last", "k3_kl",
+                                             "mean_abs_delta", "routing_disagreement", "token_any_disagreement",
+                                             "route_MiB"])
+    return out
+
+
+def write(readme: Path = README) -> None:
+    text = readme.read_text()
+    for name, md in tables().items():
+        block = f"<!-- {name} -->\n{md}\n<!-- /{name} -->"
+        pattern = re.compile(rf"<!-- {name} -->.*?<!-- /{name} -->", re.S)
+        text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.replace(name, block, 1)
+    readme.write_text(text)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--write", action="store_true", help="update README.md in place")
+    args = ap.parse_args()
+    if args.write:
+        write()
+    for name, md in tables().items():
+        print(f"## {name}\n{md}\n")
+
+
+if __name__ == "__main__":
+    main()
