@@ -182,7 +182,7 @@ def main():
         model = MoeTransformer(cfg, rngs=nnx.Rngs(0))
         batches = (1, 8) if args.quick and name == "small_100m" else (1, 8, 32)
         tiny = name == "tiny"
-        repeats, hf_repeats = ((6, 2) if tiny else (2, 1)) if args.quick else ((12, 4) if tiny else (2, 1))
+        repeats, hf_repeats = ((6, 2) if tiny else (2, 1)) if args.quick else ((12, 4) if tiny else (6, 2))
         impl_rows += bench_impls(name, model, batches, 32, 3 if tiny else 2)
         best = {b: max((r for r in impl_rows if r["config"] == name and r["B"] == b), key=lambda r: r["tok_s"])
                 for b in batches}

@@ -198,3 +198,11 @@ def test_bf16_compute_override(tiny_model, nocache):
     assert lo.routed_experts.shape == hi.routed_experts.shape == (15, L, K)
     assert lo.routed_experts.max() < 8
     np.testing.assert_allclose(lo.logprobs, hi.logprobs, atol=0.1)  # same model, coarser arithmetic
+
+
+def test_expert_kernel_choice(tiny_model):
+    # on CPU the engine runs the per-expert loop kernel (fastest decode there); the model is untouched
+    assert Engine(tiny_model, max_seq_len=MAX_SEQ, max_batch_size=1).config.moe_impl == "loop"
+    explicit = Engine(tiny_model, max_seq_len=MAX_SEQ, max_batch_size=1, moe_impl="ragged")
+    assert explicit.config.moe_impl == "ragged"
+    assert tiny_model.config.moe_impl == "ragged"
