@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -76,6 +77,9 @@ class ServerProcess:
             self.stop()
             raise RuntimeError(f"server did not start (see {log_path}): {line!r}")
         self.url = line.strip().rsplit(" ", 1)[-1]
+        # keep draining stdout so a chatty server can never block on a full pipe
+        self._drain = threading.Thread(target=lambda: [self.log.write(x) for x in self.proc.stdout], daemon=True)
+        self._drain.start()
 
     def stop(self):
         if self.proc.poll() is None:
@@ -85,6 +89,8 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if getattr(self, "_drain", None) is not None:
+            self._drain.join(timeout=5)  # stdout is at EOF once the process has exited
         self.log.close()
 
 
@@ -116,6 +122,11 @@ class Rollouts:
         if self.url is None:
             return push_to_engine(self.generator, state)
         return push_to_server(self.url, self.sync_dir, state)
+
+
+def _read_lines(path: Path) -> list[str]:
+    return [line if line.endswith("\n") else line + "\n"
+            for line in (path.read_text().splitlines() if path.exists() else []) if line.strip()]
 
 
 # ---- one run ---------------------------------------------------------------------------------
@@ -152,14 +163,14 @@ def warm_start(args, model, mesh, generator, out: Path):
     if (path / "_CHECKPOINT_METADATA").exists() or (path / "_METADATA").exists():
         return load_params(path, model), None
     state = init_train_state(model, optax.adam(3e-3), mesh=mesh, seed=args.seed)
-    loop = make_loop(args, generator, step=-1)
     acc = None
-    for i in range(args.warmup_steps):
-        demos = loop.demonstrations(args.warmup_batch)
-        batch = collate(demos, num_experts=cfg.num_experts, top_k=cfg.top_k, num_layers=cfg.num_moe_layers,
-                        batch_multiple=batch_multiple(mesh))
-        state, m = sft_step(state, shard_batch(batch, mesh))
-        acc = float(jax.device_get(m["accuracy"]))
+    with make_loop(args, generator, step=-1) as loop:
+        for _ in range(args.warmup_steps):
+            demos = loop.demonstrations(args.warmup_batch)
+            batch = collate(demos, num_experts=cfg.num_experts, top_k=cfg.top_k,
+                            num_layers=cfg.num_moe_layers, batch_multiple=batch_multiple(mesh))
+            state, m = sft_step(state, shard_batch(batch, mesh))
+            acc = float(jax.device_get(m["accuracy"]))
     model = state.model()
     export_params(path, model)
     return model, acc
@@ -179,20 +190,24 @@ def run(args, mode: str, warm_model, mesh, rollouts: Rollouts, out: Path) -> lis
     out.mkdir(parents=True, exist_ok=True)
     state = init_train_state(warm_model, optax.adam(args.lr), mesh=mesh, seed=args.seed)
     ckpt = Checkpointer(out / "ckpt", save_every=args.save_every, keep=2)
-    start, log_mode = 0, "w"
+    start, kept = 0, []
     if args.resume:
         restored = ckpt.restore_latest(state)
         if restored is not None:
             state, cursor = restored
-            start, log_mode = int(cursor["step"]), "a"
+            start = int(cursor["step"])
+            # steps logged after the checkpoint are re-run: keep only what the checkpoint contains
+            kept = [line for line in _read_lines(out / "metrics.jsonl") if json.loads(line)["step"] <= start]
     records = []
-    with ckpt, open(out / "metrics.jsonl", log_mode) as log:
+    with ckpt, open(out / "metrics.jsonl", "w") as log:
+        log.writelines(kept)
         version = rollouts.sync(state)
         bar = tqdm(range(start, args.steps), desc=f"replay={mode}", disable=args.no_progress,
                    initial=start, total=args.steps)
         for step in bar:
             t0 = time.perf_counter()
-            trajs = make_loop(args, rollouts.generator, step).run(args.prompts, args.samples)
+            with make_loop(args, rollouts.generator, step) as loop:  # closes its event loop/connections
+                trajs = loop.run(args.prompts, args.samples)
             t_roll = time.perf_counter() - t0
             rewards = np.array([t.reward for t in trajs])
             adv = group_advantages(rewards, np.array([t.group for t in trajs]))
@@ -227,11 +242,12 @@ def transfer_per_turn(args, rollouts: Rollouts) -> dict:
 
     result = {}
     for name, full in (("incremental", False), ("full_regather", True)):
-        loop = AgentLoop(rollouts.generator, lambda: make_env(args.env), max_turns=args.max_turns,
-                         max_seq_len=args.max_seq_len, seed=args.seed, full_regather=full,
-                         sampling=dict(max_tokens=args.max_tokens, temperature=args.temperature))
+        with AgentLoop(rollouts.generator, lambda: make_env(args.env), max_turns=args.max_turns,
+                       max_seq_len=args.max_seq_len, seed=args.seed, full_regather=full,
+                       sampling=dict(max_tokens=args.max_tokens, temperature=args.temperature)) as loop:
+            trajs = loop.run(args.prompts, args.samples)
         per_turn = np.zeros(args.max_turns)
-        for t in loop.run(args.prompts, args.samples):
+        for t in trajs:
             for i, turn in enumerate(t.turns):
                 per_turn[i] += turn.route_bytes
         result[name] = per_turn.tolist()

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from flax import struct
 
-from r3jax.routes import check_ids, route_dtype
+from r3jax.routes import check_ids, route_dtype, uncaptured_rows
 
 DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -157,7 +157,7 @@ def collate(trajectories: Sequence[Any], *, seq_len: int | None = None,
     s = int(seq_len)
 
     dtype = route_dtype(num_experts)
-    fill = np.arange(top_k, dtype=dtype)
+    fill = uncaptured_rows(1, num_layers, top_k, dtype)  # [1, L, K]: what non-replayed rows hold
     out = {"tokens": np.full((b, s), pad_id, np.int32), "positions": np.zeros((b, s), np.int32),
            "segment_ids": np.zeros((b, s), np.int32), "loss_mask": np.zeros((b, s), np.float32),
            "advantages": np.zeros((b, s), np.float32),

@@ -39,6 +39,12 @@ def route_dtype(num_experts: int) -> np.dtype:
     return np.dtype(np.int32)
 
 
+def uncaptured_rows(rows: int, num_layers: int, top_k: int, dtype) -> np.ndarray:
+    """``[rows, L, K]`` read-only, every row ``0..K-1``: the contents of rows that are not replayed
+    (padding, the terminal gap, uncaptured rows; DESIGN §3). Valid, distinct ids for sort/bincount."""
+    return np.broadcast_to(np.arange(top_k, dtype=dtype), (rows, num_layers, top_k))
+
+
 def _check_int(name: str, value: Any, minimum: int = 0) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name}={value!r}: expected an int (not a bool)")

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from r3jax.routes import uncaptured_rows
+
 _MISSING = "missing routed-expert row for loss-active target at token"
 
 
@@ -209,7 +211,7 @@ class RoutedExpertTrace:
                              "least one engine call")
         dtype = self.rows.dtype
         _, num_layers, top_k = self.rows.chunks[0].shape
-        fill = np.broadcast_to(np.arange(top_k, dtype=dtype), (n - s, num_layers, top_k))
+        fill = uncaptured_rows(n - s, num_layers, top_k, dtype)
         chunks = [np.asarray(c) for c in self.rows.chunks] + [fill]
         routes = np.concatenate(chunks, axis=0, dtype=dtype)
         return routes, np.arange(n) < s

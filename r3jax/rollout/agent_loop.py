@@ -22,7 +22,7 @@ import numpy as np
 from r3jax.engine import GenerateRequest
 from r3jax.rollout.env import Env, FullPrompt, check_prefix
 from r3jax.rollout.trajectory import Trajectory, TurnStats
-from r3jax.routes import route_dtype
+from r3jax.routes import route_dtype, uncaptured_rows
 from r3jax.trace import RoutedExpertTrace
 
 
@@ -193,8 +193,7 @@ class _Rollout:
             routes, captured = self.trace.finalize(token_count=n, loss_mask=loss)
         else:  # rows the trainer must route live: captured False, filled with 0..K-1
             k, num_layers = info["top_k"], len(info["moe_layer_ids"])
-            routes = np.broadcast_to(np.arange(k, dtype=route_dtype(info["num_experts"])),
-                                     (n, num_layers, k)).copy()
+            routes = uncaptured_rows(n, num_layers, k, route_dtype(info["num_experts"])).copy()
             captured = np.zeros(n, bool)
         versions = [t.weight_version for t in self.turns]
         return Trajectory(

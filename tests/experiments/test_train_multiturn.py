@@ -2,6 +2,7 @@
 continues from the saved step."""
 
 import json
+import shutil
 
 import pytest
 
@@ -29,9 +30,12 @@ def test_in_process_run_writes_outputs_and_resumes(tmp_path):
     inc, full = summary["transfer_bytes_per_turn"]["incremental"], summary["transfer_bytes_per_turn"]["full_regather"]
     assert inc[0] == full[0] and inc[1] < full[1]  # turn 2 re-sends the whole prefix without the start
 
+    # "crash" after step 2 was logged but before its checkpoint landed: resume re-runs step 2 from the
+    # step-1 checkpoint and the log keeps each step once
+    shutil.rmtree(out / "rollout" / "ckpt" / "2")
     main(SMALL[2:] + ["--steps", "3", "--in-process", "--replay", "rollout", "--out", str(out), "--resume"])
     recs = _records(out / "rollout" / "metrics.jsonl")
-    assert [r["step"] for r in recs] == [1, 2, 3]  # continued from step 2, nothing redone
+    assert [r["step"] for r in recs] == [1, 2, 3]
     assert 3 in [int(p.name) for p in (out / "rollout" / "ckpt").iterdir() if p.name.isdigit()]
 
 
