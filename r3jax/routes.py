@@ -45,7 +45,8 @@ def uncaptured_rows(rows: int, num_layers: int, top_k: int, dtype) -> np.ndarray
     return np.broadcast_to(np.arange(top_k, dtype=dtype), (rows, num_layers, top_k))
 
 
-def _check_int(name: str, value: Any, minimum: int = 0) -> int:
+def check_int(name: str, value: Any, minimum: int = 0) -> int:
+    """``value`` as an int >= ``minimum``; bools and non-integers are refused, naming ``name``."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name}={value!r}: expected an int (not a bool)")
     if value < minimum:
@@ -72,7 +73,7 @@ def check_ids(routes: np.ndarray, num_experts: int | None, name: str = "routes")
 
 def compact(routes: Any, num_experts: int) -> np.ndarray:
     """Validated copy of ``routes`` (any shape, integer ids in [0, E)) in ``route_dtype(E)``."""
-    _check_int("num_experts", num_experts, 1)
+    check_int("num_experts", num_experts, 1)
     arr = np.asarray(routes)
     check_ids(arr, num_experts)
     return arr.astype(route_dtype(num_experts))
@@ -93,7 +94,7 @@ def _check_routes(routes: Any, name: str = "routes") -> np.ndarray:
 def _check_layers(layers: Any, num_layers: int, name: str = "layers") -> list[int]:
     if isinstance(layers, (str, bytes)) or not isinstance(layers, (Sequence, np.ndarray)):
         raise ValueError(f"{name}={layers!r}: expected a list of {num_layers} MoE layer ids")
-    out = [_check_int(f"{name}[{i}]", v) for i, v in enumerate(layers)]
+    out = [check_int(f"{name}[{i}]", v) for i, v in enumerate(layers)]
     if len(out) != num_layers:
         raise ValueError(f"{name} has {len(out)} ids {out}: expected L = {num_layers} (routes.shape[1])")
     return out
@@ -106,7 +107,7 @@ def encode(routes: Any, start: int, layers: Sequence[int]) -> dict:
     :func:`compact` array to ship 1 or 2 bytes per id).
     """
     arr = _check_routes(routes)
-    start = _check_int("start", start)
+    start = check_int("start", start)
     layer_ids = _check_layers(layers, arr.shape[1])
     raw = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<")).tobytes()
     return {"data": base64.b64encode(raw).decode("ascii"), "shape": list(arr.shape),
@@ -149,7 +150,7 @@ def decode(obj: Any, num_experts: int | None = None) -> np.ndarray:
         raise ValueError(f"routed_experts.data: got {type(data).__name__}, expected a base64 string")
     if not isinstance(shape, (list, tuple)) or len(shape) != 3:
         raise ValueError(f"routed_experts.shape={shape!r}: expected 3 dims [rows, L, K]")
-    dims = tuple(_check_int(f"routed_experts.shape[{i}]", v) for i, v in enumerate(shape))
+    dims = tuple(check_int(f"routed_experts.shape[{i}]", v) for i, v in enumerate(shape))
     if dtype not in WIRE_DTYPES:
         raise ValueError(f"routed_experts.dtype={dtype!r}: expected one of {WIRE_DTYPES}")
     try:
@@ -166,7 +167,7 @@ def decode_payload(obj: Any, num_experts: int | None = None) -> tuple[np.ndarray
     for key in ("start", "layers"):
         if key not in obj:
             raise ValueError(f"routed_experts: missing field {key!r}")
-    start = _check_int("routed_experts.start", obj["start"])
+    start = check_int("routed_experts.start", obj["start"])
     return routes, start, _check_layers(obj["layers"], routes.shape[1], "routed_experts.layers")
 
 
@@ -175,7 +176,7 @@ def decode_sglang(b64_int32: str | bytes, num_layers: int, top_k: int) -> np.nda
 
     SGLang sends no shape, so L and K come from the caller. Returns int32 ``[rows, L, K]``.
     """
-    num_layers, top_k = _check_int("num_layers", num_layers, 1), _check_int("top_k", top_k, 1)
+    num_layers, top_k = check_int("num_layers", num_layers, 1), check_int("top_k", top_k, 1)
     if not isinstance(b64_int32, (str, bytes)):
         raise ValueError(f"routed_experts: got {type(b64_int32).__name__}, expected a base64 string")
     try:
@@ -197,7 +198,7 @@ def encode_binary(routes: Any, start: int, layers: Sequence[int]) -> bytes:
     header_len (a multiple of 8). Payload length is exactly ``rows * L * K * itemsize``.
     """
     arr = _check_routes(routes)
-    start = _check_int("start", start)
+    start = check_int("start", start)
     layer_ids = _check_layers(layers, arr.shape[1])
     head_len = _FIXED.size + 4 * len(layer_ids)
     head_len += -head_len % 8

@@ -18,23 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from r3jax.routes import uncaptured_rows
+from r3jax.routes import check_int, uncaptured_rows
 
 _MISSING = "missing routed-expert row for loss-active target at token"
-
-
-def _int(name: str, value: Any, minimum: int = 0) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name}={value!r}: expected an int (not a bool)")
-    if value < minimum:
-        raise ValueError(f"{name}={value}: expected an int >= {minimum}")
-    return int(value)
 
 
 def _layer_ids(name: str, ids: Any) -> tuple[int, ...]:
     if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
         raise ValueError(f"{name}={ids!r}: expected a sequence of ints")
-    return tuple(_int(f"{name}[{i}]", v) for i, v in enumerate(ids))
+    return tuple(check_int(f"{name}[{i}]", v) for i, v in enumerate(ids))
 
 
 def _kind(dtype: np.dtype) -> str:
@@ -81,7 +73,7 @@ class TokenMetadataTrace:
         NumPy input is copied and frozen (read-only), so later edits by the caller cannot reach
         the trace; jax arrays are immutable already. ``name`` labels the errors.
         """
-        expected_rows = _int("expected_rows", expected_rows)
+        expected_rows = check_int("expected_rows", expected_rows)
         if not isinstance(rows, (np.ndarray, jax.Array)):
             raise ValueError(f"{name}: got {type(rows).__name__}, expected a numpy or jax array "
                              f"[rows, ...]")
@@ -159,8 +151,8 @@ class RoutedExpertTrace:
         equal this trace's ``moe_layer_ids`` when both are known.
         """
         s = self.prompt_start
-        p = _int("prompt_len", prompt_len)
-        g = _int("generated_len", generated_len, 1)
+        p = check_int("prompt_len", prompt_len)
+        g = check_int("generated_len", generated_len, 1)
         if p < s:
             raise ValueError(f"prompt_len={p}: expected >= prompt_start={s} (the conversation "
                              f"cannot be shorter than the rows already captured)")
@@ -193,7 +185,7 @@ class RoutedExpertTrace:
         uncaptured position (``loss_mask[i] != 0`` for some ``i > prompt_start``, DESIGN.md §4).
         """
         s = self.prompt_start
-        n = _int("token_count", token_count)
+        n = check_int("token_count", token_count)
         if n < s:
             raise ValueError(f"token_count={n}: expected >= prompt_start={s} (rows recorded)")
         mask = np.asarray(loss_mask)
