@@ -107,8 +107,8 @@ def parse_generate(body: Any, *, vocab_size: int | None = None, max_seq_len: int
         top_p=1.0 if top_p is None else common.real("sampling_params.top_p", top_p, 0.0, 1.0, lo_open=True),
         top_k=0 if top_k in (None, -1) else int(top_k),
         seed=common.seed("sampling_params.sampling_seed", sp.get("sampling_seed")),
-        stop_token_ids=common.token_ids("sampling_params.stop_token_ids", sp.get("stop_token_ids") or [],
-                                        vocab_size, allow_empty=True),
+        stop_token_ids=tuple(common.token_ids("sampling_params.stop_token_ids", sp.get("stop_token_ids") or [],
+                                              vocab_size, allow_empty=True)),
         return_logprobs=flags["return_logprob"], return_routed_experts=flags["return_routed_experts"],
         routed_experts_prompt_start=start)
 
@@ -199,7 +199,7 @@ def parse_generate_response(content: bytes | str | Mapping, request: GenerateReq
     except ProtocolError:
         raise
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        raise ProtocolError(f"{where}: not an SGLang /generate response ({type(e).__name__}: {e})") from None
+        raise ProtocolError(f"{where}: bad SGLang /generate response ({type(e).__name__}: {e})") from None
     return GenerateOutput(output_ids=ids, logprobs=lps, finish_reason=common.finish(reason, where),
                           routed_experts=routes, prompt_tokens=int(meta.get("prompt_tokens", len(request.prompt_ids))),
                           cached_tokens=int(cached), weight_version=version,

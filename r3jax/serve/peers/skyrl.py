@@ -171,7 +171,7 @@ def parse_generate_response(content: bytes | str | Mapping, request: GenerateReq
     except ProtocolError:
         raise
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        raise ProtocolError(f"{where}: not a SkyRL generate response ({type(e).__name__}: {e})") from None
+        raise ProtocolError(f"{where}: bad SkyRL generate response ({type(e).__name__}: {e})") from None
     return GenerateOutput(output_ids=ids, logprobs=lps, finish_reason=common.finish(choice.get("finish_reason"), where),
                           routed_experts=routes, prompt_tokens=len(request.prompt_ids), cached_tokens=0,
                           weight_version=common.UNKNOWN_VERSION,

@@ -66,8 +66,8 @@ def read_sampling(sp: Mapping[str, Any], prefix: str, prompt: list[int], *, voca
         top_p=1.0 if top_p is None else common.real(prefix + "top_p", top_p, 0.0, 1.0, lo_open=True),
         top_k=0 if top_k in (None, -1) else check_int(prefix + "top_k", top_k, 0),
         seed=common.seed(prefix + "seed", sp.get("seed"), minus_one_unset=True),
-        stop_token_ids=common.token_ids(prefix + "stop_token_ids", sp.get("stop_token_ids") or [], vocab_size,
-                                        allow_empty=True),
+        stop_token_ids=tuple(common.token_ids(prefix + "stop_token_ids", sp.get("stop_token_ids") or [], vocab_size,
+                                              allow_empty=True)),
         return_logprobs=_logprobs(prefix + "logprobs", sp.get("logprobs"), top_logprobs),
         routed_experts_prompt_start=check_prompt_start(sp.get("routed_experts_prompt_start", 0), p,
                                                        prefix + "routed_experts_prompt_start"),
@@ -272,7 +272,7 @@ def parse_completion_response(content: bytes | str | Mapping, request: GenerateR
     except ProtocolError:
         raise
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        raise ProtocolError(f"{where}: not a /v1/completions response ({type(e).__name__}: {e})") from None
+        raise ProtocolError(f"{where}: bad /v1/completions response ({type(e).__name__}: {e})") from None
     return GenerateOutput(output_ids=ids, logprobs=lps, finish_reason=common.finish(choice.get("finish_reason"), where),
                           routed_experts=routes, prompt_tokens=len(request.prompt_ids), cached_tokens=int(cached),
                           weight_version=common.UNKNOWN_VERSION,

@@ -1,0 +1,182 @@
+"""vLLM /v1/completions conformance: bodies in vLLM's documented form (data/, source named in the
+file), parsed and rendered by r3jax.serve.peers.vllm; bad input → vLLM's 400/404 error body."""
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from r3jax.checks import FieldError
+from r3jax.engine.request import GenerateOutput, GenerateRequest
+from r3jax.serve.peers import vllm
+from r3jax.serve.protocol import ProtocolError
+
+DATA = json.loads((Path(__file__).parent / "data" / "vllm_completions.json").read_text())
+E, L, K = DATA["num_experts"], DATA["num_layers"], DATA["top_k"]
+CASES = sorted(DATA["cases"])
+MODEL = "Qwen/Qwen3-30B-A3B"
+
+
+def _parse(body, **kw):
+    kw.setdefault("return_routed_experts_default", True)  # server started with --enable-return-routed-experts
+    return vllm.parse_completion(body, served_model=MODEL, **kw)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_documented_request_parses(name):
+    body = DATA["cases"][name]["request"]
+    req = _parse(body)
+    assert req.prompt_ids == body["prompt"] and req.max_tokens == body["max_tokens"]
+    assert req.temperature == 0.0 and req.return_logprobs is True and req.return_routed_experts is True
+    assert req.routed_experts_prompt_start == body["routed_experts_prompt_start"]
+    assert _parse({**body, "prompt": [body["prompt"]]}) == req  # a batch of one prompt
+    assert _parse(body, return_routed_experts_default=False).return_routed_experts is False
+    assert _parse({**body, "return_routed_experts": True}, return_routed_experts_default=False).return_routed_experts
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_documented_response_parses_with_the_row_rule(name):
+    case = DATA["cases"][name]
+    req = _parse(case["request"])
+    out = vllm.parse_completion_response(json.dumps(case["response"]), req, num_experts=E, num_layers=L, top_k=K)
+    choice = case["response"]["choices"][0]
+    assert out.output_ids == choice["token_ids"] and out.logprobs == choice["logprobs"]["token_logprobs"]
+    want = np.asarray(case["routes"], dtype=np.int64).reshape(-1, L, K)
+    np.testing.assert_array_equal(out.routed_experts, want)
+    assert out.routed_experts.dtype == np.int16
+    assert out.routed_experts.shape[0] == len(req.prompt_ids) - req.routed_experts_prompt_start + len(out.output_ids) - 1
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_render_has_vllms_shape_and_round_trips(name):
+    case = DATA["cases"][name]
+    req = _parse(case["request"])
+    recorded = case["response"]
+    routes = np.asarray(case["routes"], dtype=np.int16).reshape(-1, L, K)
+    choice = recorded["choices"][0]
+    out = GenerateOutput(choice["token_ids"], choice["logprobs"]["token_logprobs"], "length", routes,
+                         len(req.prompt_ids), 2, 0, req.routed_experts_prompt_start)
+    body = vllm.render_completion(out, req, model=MODEL, request_id="0", created=recorded["created"], num_experts=E)
+    assert set(recorded) <= set(body) and set(choice) <= set(body["choices"][0])
+    for key in ("id", "object", "created", "model"):
+        assert body[key] == recorded[key]
+    ours = body["choices"][0]
+    assert ours["logprobs"] == choice["logprobs"] and ours["token_ids"] == choice["token_ids"]
+    assert ours["prompt_token_ids"] == choice["prompt_token_ids"] and ours["text"] == ""
+    arr = np.load(io.BytesIO(base64.b64decode(ours["routed_experts"])), allow_pickle=False)  # vLLM's documented decode
+    assert arr.dtype == np.uint16 and arr.shape == routes.shape
+    np.testing.assert_array_equal(arr, routes)
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
+    back = vllm.parse_completion_response(json.dumps(body), req, num_experts=E, num_layers=L, top_k=K)
+    np.testing.assert_array_equal(back.routed_experts, routes)
+    assert back.cached_tokens == 2 and back.output_ids == out.output_ids
+
+
+def test_completion_body_round_trips():
+    req = GenerateRequest(prompt_ids=[5, 6, 7, 8], max_tokens=3, temperature=0.7, top_p=0.9, top_k=5, seed=11,
+                          stop_token_ids=(2,), return_logprobs=True, return_routed_experts=True,
+                          routed_experts_prompt_start=2, session_id="s1")
+    body = vllm.completion_body(req, model=MODEL)
+    assert body["return_token_ids"] is True and body["routed_experts_prompt_start"] == 2
+    assert _parse(body, return_routed_experts_default=False) == req
+
+
+def test_stop_reason_and_finish():
+    req = GenerateRequest(prompt_ids=[1, 2], max_tokens=4, stop_token_ids=(9,), return_logprobs=False)
+    out = GenerateOutput([3, 9], None, "stop", None, 2, 0, 0, 0)
+    choice = vllm.render_completion(out, req, model=MODEL, request_id="x", created=1, num_experts=8)["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"], choice["logprobs"], choice["routed_experts"]) == \
+        ("stop", 9, None, None)
+
+
+def test_models_body():
+    body = vllm.models_body(MODEL, max_model_len=4096, created=5)
+    assert body["object"] == "list" and body["data"][0]["id"] == MODEL
+    assert body["data"][0]["object"] == "model" and body["data"][0]["max_model_len"] == 4096
+
+
+def _body(**kw):
+    return {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 4, **kw}
+
+
+BAD = [
+    ({"prompt": "Hello"}, "prompt"),
+    ({"prompt": ["Hello"]}, "prompt"),
+    ({"prompt": [[1, 2], [3]]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, 2.0]}, "prompt[1]"),
+    ({"prompt": [1, 500]}, "prompt[1]"),
+    ({"routed_experts_prompt_start": 5}, "routed_experts_prompt_start"),
+    ({"routed_experts_prompt_start": -1}, "routed_experts_prompt_start"),
+    ({"routed_experts_prompt_start": False}, "routed_experts_prompt_start"),
+    ({"return_routed_experts": 1}, "return_routed_experts"),
+    ({"logprobs": 2}, "logprobs"),
+    ({"echo": True}, "echo"),
+    ({"stream": True}, "stream"),
+    ({"n": 2}, "n"),
+    ({"stop": ["\n"]}, "stop"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 100}, "max_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"seed": -7}, "seed"),
+    ({"stop_token_ids": [1, "2"]}, "stop_token_ids[1]"),
+    ({"session_id": 3}, "session_id"),
+    ({"no_such_field": 1}, "no_such_field"),
+]
+
+
+@pytest.mark.parametrize("change,field", BAD)
+def test_bad_input_is_vllms_400_naming_the_param(change, field):
+    with pytest.raises(FieldError) as info:
+        _parse(_body(**change), vocab_size=100, max_seq_len=64)
+    assert info.value.field == field
+    status, err = vllm.error_response(info.value)
+    assert status == 400
+    assert err == {"error": {"message": info.value.message, "type": "BadRequestError", "param": field, "code": 400}}
+
+
+def test_unknown_model_is_vllms_404():
+    with pytest.raises(FieldError) as info:
+        _parse(_body(model="other"))
+    status, err = vllm.error_response(info.value)
+    assert status == 404
+    assert err["error"] == {"message": "The model `other` does not exist.", "type": "NotFoundError", "param": "model",
+                            "code": 404}
+
+
+def test_vllm_defaults():
+    req = _parse({"prompt": [1, 2, 3]}, return_routed_experts_default=False)
+    assert (req.max_tokens, req.temperature, req.top_p, req.top_k, req.seed, req.return_logprobs) == \
+        (16, 1.0, 1.0, 0, None, False)
+    assert _parse({"prompt": [1], "seed": -1, "top_k": -1, "max_tokens": None}).seed is None
+
+
+def test_npy_decoder_refuses_bad_payloads():
+    for text, match in [("%%%", "base64"), (base64.b64encode(b"abc").decode(), "npy"), (7, "base64 string")]:
+        with pytest.raises(ValueError, match=match):
+            vllm.decode_routes(text, E)
+    buf = io.BytesIO()
+    np.save(buf, np.array([[[3, 3, 1]]], np.int32))
+    with pytest.raises(FieldError, match="repeated"):
+        vllm.decode_routes(base64.b64encode(buf.getvalue()).decode(), E)
+    buf = io.BytesIO()
+    np.save(buf, np.ones((1, 2, 3), np.float32))
+    with pytest.raises(FieldError, match="integer dtype"):
+        vllm.decode_routes(base64.b64encode(buf.getvalue()).decode(), E)
+
+
+def test_client_refuses_missing_routes_and_wrong_rows():
+    case = DATA["cases"]["uint16_e384"]
+    req = _parse(case["request"])
+    choice = case["response"]["choices"][0]
+    with pytest.raises(ProtocolError, match="enable-return-routed-experts"):
+        vllm.parse_completion_response({"choices": [{**choice, "routed_experts": None}]}, req, num_experts=E,
+                                       num_layers=L, top_k=K)
+    short = vllm.encode_routes(np.asarray(case["routes"])[1:], E)
+    with pytest.raises(ProtocolError, match="rows: expected P - s \\+ G - 1"):
+        vllm.parse_completion_response({"choices": [{**choice, "routed_experts": short}]}, req, num_experts=E,
+                                       num_layers=L, top_k=K)
