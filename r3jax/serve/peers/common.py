@@ -67,10 +67,18 @@ def token_ids(field: str, value: Any, vocab_size: int | None, allow_empty: bool 
     return out
 
 
+def stop_ids(field: str, value: Any, vocab_size: int | None) -> tuple[int, ...]:
+    """Optional stop token ids: null or a (possibly empty) list of ids in ``[0, V)``."""
+    return () if value is None else tuple(token_ids(field, value, vocab_size, allow_empty=True))
+
+
 def real(field: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> float:
     """A finite number (not a bool) in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-    ok = ok and math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi
+    try:
+        ok = ok and math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi
+    except OverflowError:  # an int beyond float range, e.g. 10**400
+        ok = False
     if not ok:
         raise FieldError(field, value, f"a finite number in {'(' if lo_open else '['}{lo}, {hi}]")
     return float(value)

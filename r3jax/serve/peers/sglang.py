@@ -107,8 +107,7 @@ def parse_generate(body: Any, *, vocab_size: int | None = None, max_seq_len: int
         top_p=1.0 if top_p is None else common.real("sampling_params.top_p", top_p, 0.0, 1.0, lo_open=True),
         top_k=0 if top_k in (None, -1) else int(top_k),
         seed=common.seed("sampling_params.sampling_seed", sp.get("sampling_seed")),
-        stop_token_ids=tuple(common.token_ids("sampling_params.stop_token_ids", sp.get("stop_token_ids") or [],
-                                              vocab_size, allow_empty=True)),
+        stop_token_ids=common.stop_ids("sampling_params.stop_token_ids", sp.get("stop_token_ids"), vocab_size),
         return_logprobs=flags["return_logprob"], return_routed_experts=flags["return_routed_experts"],
         routed_experts_prompt_start=start)
 
