@@ -64,6 +64,8 @@ def check_int(field: str, value: Any, lo: int | None = 0, hi: int | None = None)
             want = f"an int <= {hi}"
         else:
             want = f"an int in [{lo}, {hi}]"
+        if isinstance(value, (bool, np.bool_)) and "not a bool" not in want:
+            want += " (not a bool)"
         raise FieldError(field, value, want)
     return int(value)
 
@@ -97,10 +99,18 @@ def check_route_ids(routes: np.ndarray, num_experts: int | None, field: str = "r
         raise FieldError(field, int(routes[where]), f"expert ids >= 0{hi}",
                          f"{_at(field, where[:-1])}: expert id {int(routes[where])} at slot {where[-1]}: "
                          f"expected ids >= 0{hi}")
-    if routes.ndim >= 2 and routes.shape[-1] > 1:
-        ordered = np.sort(routes, axis=-1)
-        dup = (ordered[..., 1:] == ordered[..., :-1]).any(axis=-1)
+    k = routes.shape[-1] if routes.ndim >= 2 else 1
+    if k > 1:
+        if k <= 16:  # K(K-1)/2 vector compares beat a sort along a short axis several times over
+            dup = np.zeros(routes.shape[:-1], bool)
+            for i in range(k - 1):
+                for j in range(i + 1, k):
+                    dup |= routes[..., i] == routes[..., j]
+        else:
+            ordered = np.sort(routes, axis=-1)
+            dup = (ordered[..., 1:] == ordered[..., :-1]).any(axis=-1)
         if dup.any():
+            ordered = np.sort(routes, axis=-1)
             where = tuple(int(i) for i in np.argwhere(dup)[0])
             row = routes[where].tolist()
             value = int(ordered[where][np.flatnonzero(ordered[where][1:] == ordered[where][:-1])[0]])
