@@ -141,6 +141,37 @@ def test_segments_do_not_attend_to_each_other(setup):
     np.testing.assert_array_equal(got.routes[0, 5:], out.routes[1, :7])
 
 
+def _unpadded(fwd, tokens, n):
+    """Each row's first n tokens, on its own (positions 0..n-1, no padding)."""
+    return fwd(tokens[:, :n], jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (B, n)))
+
+
+def test_right_padding_never_reaches_real_tokens(setup):
+    """DESIGN.md §5: right padding with positions 0 and no segment_ids leaves real tokens alone."""
+    cfg, _, fwd, tokens, _, _ = setup
+    n = 7
+    want = _unpadded(fwd, tokens, n)
+    pad_tokens = tokens.at[:, n:].set((tokens[:, n:] + 5) % cfg.vocab_size)  # padding ids vary too
+    pos = jnp.where(jnp.arange(T) < n, jnp.arange(T), 0).astype(jnp.int32)  # padding positions 0
+    got = fwd(pad_tokens, jnp.broadcast_to(pos, (B, T)))
+    np.testing.assert_allclose(got.logits[:, :n], want.logits, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(got.routes[:, :n], want.routes)
+    np.testing.assert_array_equal(got.live_routes[:, :n], want.live_routes)
+
+
+def test_left_padding_with_segment_ids(setup):
+    """Left padding is supported when segment_ids give the padding its own id (0 here)."""
+    cfg, _, fwd, tokens, _, _ = setup
+    n, pad = 7, T - 7
+    want = _unpadded(fwd, tokens, n)
+    left = jnp.concatenate([jnp.full((B, pad), 3, jnp.int32), tokens[:, :n]], axis=1)
+    pos = jnp.concatenate([jnp.zeros(pad, jnp.int32), jnp.arange(n, dtype=jnp.int32)])
+    seg = jnp.concatenate([jnp.zeros(pad, jnp.int32), jnp.ones(n, jnp.int32)])
+    got = fwd(left, jnp.broadcast_to(pos, (B, T)), segment_ids=jnp.broadcast_to(seg, (B, T)))
+    np.testing.assert_allclose(got.logits[:, pad:], want.logits, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(got.routes[:, pad:], want.routes)
+
+
 def test_kv_cache_incremental_equals_full_forward(setup):
     cfg, model, _, tokens, positions, out = setup
     graphdef, state = nnx.split(model)
