@@ -1,5 +1,7 @@
 """Behaviour of the MoE transformer: shapes, replay semantics, kernels, cache, validation."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -207,18 +209,21 @@ class TestValidateReplay:
 
     def test_id_out_of_range(self):
         r = np.tile(np.arange(2, dtype=np.int32), (B, T, 2, 1))
-        r[1, 3, 0, 1] = 8
-        with pytest.raises(ValueError, match=r"expert id 8: expected ids in \[0, num_experts=8\)"):
+        r[1, 3, 0, 1] = 8  # == E
+        with pytest.raises(ValueError, match=re.escape("replay.routes (trajectory 1, token 3, layer 0): expert id 8 "
+                                                       "at slot 1: expected ids >= 0 and < num_experts=8")):
             validate_replay(self._replay(r), self.cfg, (B, T))
         r[1, 3, 0, 1] = -1
-        with pytest.raises(ValueError, match="expert id -1"):
+        with pytest.raises(ValueError, match=r"\(trajectory 1, token 3, layer 0\): expert id -1"):
             validate_replay(self._replay(r), self.cfg, (B, T))
 
     def test_duplicates(self):
         r = np.tile(np.arange(2, dtype=np.uint8), (B, T, 2, 1))
         r[0, 5, 1] = [3, 3]
-        with pytest.raises(ValueError, match=r"duplicate expert ids \[3, 3\] at \(batch 0, token 5, moe layer 1\)"):
+        with pytest.raises(ValueError, match=re.escape("replay.routes (trajectory 0, token 5, layer 1)=[3, 3]: "
+                                                       "expert id 3 repeated")) as e:
             validate_replay(self._replay(r), self.cfg, (B, T))
+        assert e.value.field == "replay.routes" and e.value.value == [3, 3]
         mask = np.ones((B, T), bool)
         mask[0, 5] = False  # masked-out rows are ignored
         validate_replay(self._replay(r, mask), self.cfg, (B, T))
@@ -226,8 +231,10 @@ class TestValidateReplay:
     def test_shapes_and_dtypes(self):
         with pytest.raises(ValueError, match=r"replay.routes shape=\(2, 12, 3, 2\): expected \[B, T, L, K\] = \(2, 12, 2, 2\)"):
             validate_replay(self._replay(np.zeros((B, T, 3, 2), np.uint8)), self.cfg, (B, T))
-        with pytest.raises(ValueError, match="replay.routes dtype=float32: expected an integer dtype"):
-            validate_replay(self._replay(np.zeros((B, T, 2, 2), np.float32)), self.cfg, (B, T))
+        for dtype in (np.float32, bool):
+            routes = np.tile(np.arange(2), (B, T, 2, 1)).astype(dtype)
+            with pytest.raises(ValueError, match=f"replay.routes.dtype='{np.dtype(dtype)}': expected an integer dtype"):
+                validate_replay(self._replay(routes), self.cfg, (B, T))
         with pytest.raises(ValueError, match="replay.mask dtype=int64: expected bool"):
             validate_replay(self._replay(mask=np.ones((B, T), np.int64)), self.cfg, (B, T))
         with pytest.raises(ValueError, match=r"replay.mask shape=\(2, 11\)"):
