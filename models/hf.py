@@ -25,6 +25,7 @@ from flax import nnx
 
 from models.config import MoeConfig
 from models.transformer import MoeTransformer
+from r3jax.checks import is_int
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 MODEL_TYPE = "qwen3_moe"
@@ -341,8 +342,8 @@ def load_pretrained(path, *, dtype=None, param_dtype=None,
 # ---- writing ------------------------------------------------------------------------------
 
 def _parse_size(size) -> int:
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-        return size
+    if is_int(size) and size > 0:
+        return int(size)
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
     unit = m and m.group(2).upper()
     if not m or unit not in _UNITS or float(m.group(1)) <= 0:

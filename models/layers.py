@@ -54,7 +54,9 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, segment_ids=None, kv=None):
         """x [B, T, D], positions [B, T] int32, segment_ids [B, T] int32 or None.
 
-        kv: this layer's cache ``(k [B, S, Hkv, Dh], v [B, S, Hkv, Dh])`` or None. Cache slot j holds
+        kv None (full sequence): token i attends to tokens j <= i of its row (the index, not the
+        position value) that share its segment id when segment_ids is given; positions only feed
+        RoPE. kv: this layer's cache ``(k [B, S, Hkv, Dh], v [B, S, Hkv, Dh])``. Cache slot j holds
         absolute position j; new keys are written at their positions and a query at position p sees
         slots <= p. Returns ``(y [B, T, D], new kv or None)``.
         """
@@ -69,8 +71,11 @@ class Attention(nnx.Module):
         k = apply_rope(k, positions, cfg.rope_theta)
 
         if kv is None:
-            keys, values, k_pos = k, v, positions
-            mask = k_pos[:, None, :] <= positions[:, :, None]  # [B, T, S]
+            # Causal by index within the row, never by position value: right padding (positions 0)
+            # then sits after every real token and stays invisible to them (DESIGN.md §5).
+            keys, values = k, v
+            idx = jnp.arange(t)
+            mask = jnp.broadcast_to(idx[None, :] <= idx[:, None], (b, t, t))  # [B, T, S=T]
             if segment_ids is not None:
                 mask &= segment_ids[:, None, :] == segment_ids[:, :, None]
         else:

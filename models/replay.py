@@ -7,6 +7,7 @@ import numpy as np
 from flax import struct
 
 from models.config import MoeConfig
+from r3jax.checks import FieldError, check_route_ids
 
 
 @struct.dataclass
@@ -21,32 +22,23 @@ class Replay:
 def validate_replay(replay: Replay, cfg: MoeConfig, tokens_shape: tuple[int, int]) -> None:
     """Host-side check of a :class:`Replay` against a config and a ``[B, T]`` token shape.
 
-    Raises ValueError naming the field, the value and the expectation. Only rows where mask is True
-    are checked for ids in ``[0, E)`` and distinctness (masked-out rows are ignored by the model).
+    Raises :class:`r3jax.checks.FieldError` (a ValueError) naming the field, the value and the
+    expectation. Ids (integer dtype, in ``[0, E)``, distinct per (token, layer)) are checked by
+    :func:`r3jax.checks.check_route_ids` on rows where mask is True only (the model ignores the rest).
     """
     routes, mask = np.asarray(replay.routes), np.asarray(replay.mask)
     b, t = tokens_shape
     want = (b, t, cfg.num_moe_layers, cfg.top_k)
-    if routes.dtype == np.bool_ or not np.issubdtype(routes.dtype, np.integer):
-        raise ValueError(f"replay.routes dtype={routes.dtype}: expected an integer dtype")
     if routes.shape != want:
-        raise ValueError(f"replay.routes shape={routes.shape}: expected [B, T, L, K] = {want}")
+        raise FieldError("replay.routes", routes.shape, f"[B, T, L, K] = {want}",
+                         f"replay.routes shape={routes.shape}: expected [B, T, L, K] = {want}")
     if mask.dtype != np.bool_:
-        raise ValueError(f"replay.mask dtype={mask.dtype}: expected bool")
+        raise FieldError("replay.mask", str(mask.dtype), "bool", f"replay.mask dtype={mask.dtype}: expected bool")
     if mask.shape != (b, t):
-        raise ValueError(f"replay.mask shape={mask.shape}: expected [B, T] = {(b, t)}")
-    active = routes[mask].astype(np.int64)  # [R, L, K]
-    if active.size == 0:
-        return
-    bad = (active < 0) | (active >= cfg.num_experts)
-    if bad.any():
-        value = active[bad][0]
-        raise ValueError(f"replay.routes contains expert id {value}: expected ids in "
-                         f"[0, num_experts={cfg.num_experts})")
-    srt = np.sort(active, axis=-1)
-    dup = (srt[..., 1:] == srt[..., :-1]).any(-1)  # [R, L]
-    if dup.any():
-        r, layer = np.argwhere(dup)[0]
-        pos = np.argwhere(mask)[r]
-        raise ValueError(f"replay.routes has duplicate expert ids {active[r, layer].tolist()} at "
-                         f"(batch {pos[0]}, token {pos[1]}, moe layer {layer}): expected K distinct ids")
+        raise FieldError("replay.mask", mask.shape, f"[B, T] = {(b, t)}",
+                         f"replay.mask shape={mask.shape}: expected [B, T] = {(b, t)}")
+    ids = routes
+    if np.issubdtype(routes.dtype, np.integer):  # bool/float keep their dtype and are refused below
+        fill = np.arange(cfg.top_k, dtype=routes.dtype)  # valid, distinct: masked-out rows pass
+        ids = np.where(mask[:, :, None, None], routes, fill)
+    check_route_ids(ids, cfg.num_experts, "replay.routes")

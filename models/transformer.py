@@ -42,6 +42,11 @@ class MoeTransformer(nnx.Module):
     tokens, positions: [B, T] int32. replay: :class:`Replay` or None. cache: :class:`KVCache` or
     None (full-sequence mode). segment_ids [B, T] (full-sequence mode only) keeps packed sequences
     from attending to each other; token_mask [B, T] bool excludes padding from the aux loss.
+
+    Full-sequence causality follows the index within the row (and segment ids), never position
+    values, so right padding needs nothing: the real tokens get the unpadded row's logits and
+    routes. Left padding needs segment_ids that give the padding its own id (e.g. 0 on padding, 1
+    on the tokens); without them the real tokens would attend to the padding before them.
     """
 
     def __init__(self, config: MoeConfig, *, rngs: nnx.Rngs):

@@ -13,7 +13,9 @@ import jax
 import numpy as np
 from flax import struct
 
-from r3jax.routes import check_ids, route_dtype, uncaptured_rows
+from r3jax import checks
+from r3jax.checks import FieldError
+from r3jax.routes import route_dtype, uncaptured_rows
 
 DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -55,7 +57,7 @@ def _vector(i: int, name: str, value: Any, n: int | None, kind: str) -> np.ndarr
     if arr.ndim != 1 or (n is not None and arr.shape[0] != n):
         want = "1 dim" if n is None else f"[N] = ({n},), N = len(tokens)"
         raise ValueError(f"{field} shape={arr.shape}: expected {want}")
-    ok = {"int": arr.dtype != np.bool_ and np.issubdtype(arr.dtype, np.integer),
+    ok = {"int": np.issubdtype(arr.dtype, np.integer),  # np.bool_ is not an np.integer
           "bool": arr.dtype == np.bool_,
           "real": arr.dtype == np.bool_ or np.issubdtype(arr.dtype, np.number)}[kind]
     if not ok:
@@ -81,14 +83,20 @@ def _trajectory(i: int, traj: Any, num_layers: int, top_k: int, num_experts: int
                          f"token has no logits predicting it)")
     logprobs = _vector(i, "rollout_logprobs", _get(traj, i, "rollout_logprobs"), n, "real")
     adv = _get(traj, i, "advantage")
-    if isinstance(adv, (bool, np.bool_)) or np.ndim(adv) != 0 or not np.isfinite(float(adv)):
+    if np.ndim(adv) != 0 or not np.issubdtype(np.asarray(adv).dtype, np.number) or not np.isfinite(adv):
         raise ValueError(f"trajectories[{i}].advantage={adv!r}: expected a finite float")
     routes = np.asarray(_get(traj, i, "routes"))
     if routes.shape != (n, num_layers, top_k):
         raise ValueError(f"trajectories[{i}].routes shape={routes.shape}: expected [N, L, K] = "
                          f"{(n, num_layers, top_k)}")
     captured = _vector(i, "captured", _get(traj, i, "captured"), n, "bool")
-    check_ids(routes[captured], num_experts, f"trajectories[{i}].routes")
+    # Uncaptured rows are ignored (DESIGN.md §3), so only captured ones are checked; substituting
+    # 0..K-1 for the others keeps the token index in the message. bool/float keep their dtype and
+    # are refused by the check.
+    ids = routes
+    if np.issubdtype(routes.dtype, np.integer):
+        ids = np.where(captured[:, None, None], routes, uncaptured_rows(n, num_layers, top_k, routes.dtype))
+    checks.check_route_ids(ids, num_experts, f"trajectories[{i}].routes")
     return {"tokens": tokens, "loss_mask": loss_mask, "rollout_logprobs": logprobs,
             "advantage": float(adv), "routes": routes, "captured": captured}
 
@@ -139,8 +147,7 @@ def collate(trajectories: Sequence[Any], *, seq_len: int | None = None,
         raise ValueError("trajectories is empty: expected at least one trajectory")
     for name, v in {"num_experts": num_experts, "top_k": top_k, "num_layers": num_layers,
                     "batch_multiple": batch_multiple}.items():
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name}={v!r}: expected an int >= 1")
+        checks.check_int(name, v, 1)
     if top_k > num_experts:
         raise ValueError(f"top_k={top_k}: expected <= num_experts={num_experts}")
     trajs = [_trajectory(i, t, num_layers, top_k, num_experts) for i, t in enumerate(trajectories)]
@@ -148,10 +155,10 @@ def collate(trajectories: Sequence[Any], *, seq_len: int | None = None,
     longest = max(lengths)
     if seq_len is None:
         seq_len = bucket_length(longest, buckets)
-    elif isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < longest:
+    elif not checks.is_int(seq_len) or seq_len < longest:
         j = int(np.argmax(lengths))
-        raise ValueError(f"seq_len={seq_len!r}: expected an int >= the longest trajectory "
-                         f"(trajectories[{j}] has {longest} tokens)")
+        raise FieldError("seq_len", seq_len, f"an int >= the longest trajectory (trajectories[{j}] has "
+                         f"{longest} tokens)")
     rows = pack_rows(lengths, seq_len) if packed else [[j] for j in range(len(trajs))]
     b = -(-len(rows) // batch_multiple) * batch_multiple
     s = int(seq_len)

@@ -2,9 +2,10 @@
 
 A route payload is ``routes [rows, L, K]`` (expert ids of rows ``start .. start + rows - 1`` of one
 trajectory), the ``start`` row and the global ``layers`` ids of the L MoE layers (DESIGN.md §3).
-Every decoder is strict: it checks the byte count, the dtype, 3 dims, non-negative integer ids (not
-bools) and ids < E when E is known, and raises ValueError naming the field, the value and the
-expectation. All bytes are little-endian, C order.
+Every decoder is strict: it checks the byte count, the dtype, 3 dims and the ids with
+:func:`r3jax.checks.check_route_ids` (integer, not bool or float; >= 0 and < E when E is known;
+distinct within each (token, layer)), and raises :class:`r3jax.checks.FieldError` (a ValueError)
+naming the field, the value and the expectation. All bytes are little-endian, C order.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import struct
 from typing import Any, Sequence
 
 import numpy as np
+
+from r3jax import checks
+from r3jax.checks import FieldError
 
 # Integer dtypes a sender may use on the wire; bool is excluded on purpose (True/False are not ids).
 WIRE_DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "int64", "uint64")
@@ -45,58 +49,41 @@ def uncaptured_rows(rows: int, num_layers: int, top_k: int, dtype) -> np.ndarray
     return np.broadcast_to(np.arange(top_k, dtype=dtype), (rows, num_layers, top_k))
 
 
-def check_int(name: str, value: Any, minimum: int = 0) -> int:
-    """``value`` as an int >= ``minimum``; bools and non-integers are refused, naming ``name``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name}={value!r}: expected an int (not a bool)")
-    if value < minimum:
-        raise ValueError(f"{name}={value}: expected an int >= {minimum}")
-    return int(value)
-
-
-def check_ids(routes: np.ndarray, num_experts: int | None, name: str = "routes") -> None:
-    """Raise unless ``routes`` is an integer (non-bool) array with ids in ``[0, E)`` (``[0, inf)``
-    when ``num_experts`` is None)."""
-    if routes.dtype == np.bool_ or not np.issubdtype(routes.dtype, np.integer):
-        raise ValueError(f"{name} dtype={routes.dtype}: expected an integer dtype (not bool)")
-    if routes.size == 0:
-        return
-    lo = routes.min()
-    if lo < 0:
-        raise ValueError(f"{name} contains expert id {int(lo)}: expected ids >= 0")
-    if num_experts is not None:
-        hi = routes.max()
-        if hi >= num_experts:
-            raise ValueError(f"{name} contains expert id {int(hi)}: expected ids in "
-                             f"[0, num_experts={num_experts})")
+# The int rule lives in r3jax.checks; re-exported here for existing callers.
+check_int = checks.check_int
 
 
 def compact(routes: Any, num_experts: int) -> np.ndarray:
-    """Validated copy of ``routes`` (any shape, integer ids in [0, E)) in ``route_dtype(E)``."""
+    """Validated copy of ``routes`` (``[..., L, K]`` valid expert ids, see
+    :func:`r3jax.checks.check_route_ids`) in ``route_dtype(E)``."""
     check_int("num_experts", num_experts, 1)
     arr = np.asarray(routes)
-    check_ids(arr, num_experts)
+    checks.check_route_ids(arr, num_experts)
     return arr.astype(route_dtype(num_experts))
 
 
 def _check_routes(routes: Any, name: str = "routes") -> np.ndarray:
     if not isinstance(routes, np.ndarray) and not hasattr(routes, "__array__"):
-        raise ValueError(f"{name}: got {type(routes).__name__}, expected an integer array [rows, L, K]")
+        raise FieldError(name, type(routes).__name__, "an integer array [rows, L, K]",
+                         f"{name}: got {type(routes).__name__}, expected an integer array [rows, L, K]")
     arr = np.asarray(routes)
     if arr.ndim != 3:
-        raise ValueError(f"{name} shape={arr.shape}: expected 3 dims [rows, L, K]")
-    check_ids(arr, None, name)
+        raise FieldError(f"{name}.shape", arr.shape, "3 dims [rows, L, K]",
+                         f"{name} shape={arr.shape}: expected 3 dims [rows, L, K]")
+    checks.check_route_ids(arr, None, name)
     if arr.dtype.name not in WIRE_DTYPES:
-        raise ValueError(f"{name} dtype={arr.dtype}: expected one of {WIRE_DTYPES}")
+        raise FieldError(f"{name}.dtype", arr.dtype.name, f"one of {WIRE_DTYPES}")
     return arr
 
 
 def _check_layers(layers: Any, num_layers: int, name: str = "layers") -> list[int]:
     if isinstance(layers, (str, bytes)) or not isinstance(layers, (Sequence, np.ndarray)):
-        raise ValueError(f"{name}={layers!r}: expected a list of {num_layers} MoE layer ids")
+        raise FieldError(name, layers, f"a list of {num_layers} MoE layer ids",
+                         f"{name}={layers!r}: expected a list of {num_layers} MoE layer ids")
     out = [check_int(f"{name}[{i}]", v) for i, v in enumerate(layers)]
     if len(out) != num_layers:
-        raise ValueError(f"{name} has {len(out)} ids {out}: expected L = {num_layers} (routes.shape[1])")
+        raise FieldError(name, out, f"L = {num_layers} ids",
+                         f"{name} has {len(out)} ids {out}: expected L = {num_layers} (routes.shape[1])")
     return out
 
 
@@ -118,10 +105,11 @@ def _from_bytes(raw: bytes, dtype_name: str, shape: tuple[int, ...], num_experts
     dtype = np.dtype(dtype_name).newbyteorder("<")
     want = math.prod(shape) * dtype.itemsize
     if len(raw) != want:
-        raise ValueError(f"{field} has {len(raw)} bytes: expected {want} = prod(shape {list(shape)}) "
+        raise FieldError(field, len(raw), f"{want} bytes",
+                         f"{field} has {len(raw)} bytes: expected {want} = prod(shape {list(shape)}) "
                          f"x {dtype.itemsize} ({dtype_name})")
     arr = np.frombuffer(raw, dtype=dtype).reshape(shape)  # read-only view; checked before the copy
-    check_ids(arr, num_experts, "routes")
+    checks.check_route_ids(arr, num_experts, "routed_experts")
     return arr.astype(dtype.newbyteorder("=") if num_experts is None else route_dtype(num_experts))
 
 
@@ -136,27 +124,35 @@ def decode(obj: Any, num_experts: int | None = None) -> np.ndarray:
         try:
             obj = json.loads(obj)
         except json.JSONDecodeError as e:
-            raise ValueError(f"routed_experts: not valid JSON ({e.msg})") from None
+            raise FieldError("routed_experts", None, "JSON",
+                             f"routed_experts: not valid JSON ({e.msg})") from None
     if isinstance(obj, list) or (isinstance(obj, dict) and isinstance(obj.get("data"), list)):
-        raise ValueError("routed_experts: got nested JSON lists; send the packed form "
+        raise FieldError("routed_experts", "nested lists", "the packed form",
+                         "routed_experts: got nested JSON lists; send the packed form "
                          '{"data": base64 of the C-order bytes, "shape": [rows, L, K], "dtype": "uint8"}')
     if not isinstance(obj, dict):
-        raise ValueError(f"routed_experts: got {type(obj).__name__}, expected a dict with data/shape/dtype")
+        raise FieldError("routed_experts", type(obj).__name__, "a dict",
+                         f"routed_experts: got {type(obj).__name__}, expected a dict with data/shape/dtype")
     missing = [k for k in ("data", "shape", "dtype") if k not in obj]
     if missing:
-        raise ValueError(f"routed_experts: missing field(s) {missing}; expected data, shape, dtype")
+        raise FieldError(f"routed_experts.{missing[0]}", None, "a required field",
+                         f"routed_experts: missing field(s) {missing}; expected data, shape, dtype")
     data, shape, dtype = obj["data"], obj["shape"], obj["dtype"]
     if not isinstance(data, str):
-        raise ValueError(f"routed_experts.data: got {type(data).__name__}, expected a base64 string")
+        raise FieldError("routed_experts.data", type(data).__name__, "a base64 string",
+                         f"routed_experts.data: got {type(data).__name__}, expected a base64 string")
     if not isinstance(shape, (list, tuple)) or len(shape) != 3:
-        raise ValueError(f"routed_experts.shape={shape!r}: expected 3 dims [rows, L, K]")
+        raise FieldError("routed_experts.shape", shape, "3 dims",
+                         f"routed_experts.shape={shape!r}: expected 3 dims [rows, L, K]")
     dims = tuple(check_int(f"routed_experts.shape[{i}]", v) for i, v in enumerate(shape))
     if dtype not in WIRE_DTYPES:
-        raise ValueError(f"routed_experts.dtype={dtype!r}: expected one of {WIRE_DTYPES}")
+        raise FieldError("routed_experts.dtype", dtype, f"one of {WIRE_DTYPES}",
+                         f"routed_experts.dtype={dtype!r}: expected one of {WIRE_DTYPES}")
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
-        raise ValueError("routed_experts.data: not valid base64") from None
+        raise FieldError("routed_experts.data", None, "base64",
+                         "routed_experts.data: not valid base64") from None
     return _from_bytes(raw, dtype, dims, num_experts, "routed_experts.data")
 
 
@@ -166,28 +162,33 @@ def decode_payload(obj: Any, num_experts: int | None = None) -> tuple[np.ndarray
     obj = json.loads(obj) if isinstance(obj, (str, bytes)) else obj
     for key in ("start", "layers"):
         if key not in obj:
-            raise ValueError(f"routed_experts: missing field {key!r}")
+            raise FieldError(f"routed_experts.{key}", None, "a required field",
+                             f"routed_experts: missing field {key!r}")
     start = check_int("routed_experts.start", obj["start"])
     return routes, start, _check_layers(obj["layers"], routes.shape[1], "routed_experts.layers")
 
 
-def decode_sglang(b64_int32: str | bytes, num_layers: int, top_k: int) -> np.ndarray:
+def decode_sglang(b64_int32: str | bytes, num_layers: int, top_k: int,
+                  num_experts: int | None = None) -> np.ndarray:
     """SGLang's ``meta_info["routed_experts"]``: base64 of int32 ids ``[seq_len - 1, L, K]``.
 
-    SGLang sends no shape, so L and K come from the caller. Returns int32 ``[rows, L, K]``.
+    SGLang sends no shape, so L and K come from the caller. Returns int32 ``[rows, L, K]``, or with
+    ``num_experts`` ids checked < E in ``route_dtype(E)``.
     """
     num_layers, top_k = check_int("num_layers", num_layers, 1), check_int("top_k", top_k, 1)
     if not isinstance(b64_int32, (str, bytes)):
-        raise ValueError(f"routed_experts: got {type(b64_int32).__name__}, expected a base64 string")
+        raise FieldError("routed_experts", type(b64_int32).__name__, "a base64 string",
+                         f"routed_experts: got {type(b64_int32).__name__}, expected a base64 string")
     try:
         raw = base64.b64decode(b64_int32, validate=True)
     except (binascii.Error, ValueError):
-        raise ValueError("routed_experts: not valid base64") from None
+        raise FieldError("routed_experts", None, "base64", "routed_experts: not valid base64") from None
     row = 4 * num_layers * top_k
     if len(raw) % row:
-        raise ValueError(f"routed_experts has {len(raw)} bytes: expected a multiple of "
+        raise FieldError("routed_experts", len(raw), f"a multiple of {row} bytes",
+                         f"routed_experts has {len(raw)} bytes: expected a multiple of "
                          f"4 x num_layers {num_layers} x top_k {top_k} = {row} (int32 rows)")
-    return _from_bytes(raw, "int32", (len(raw) // row, num_layers, top_k), None, "routed_experts")
+    return _from_bytes(raw, "int32", (len(raw) // row, num_layers, top_k), num_experts, "routed_experts")
 
 
 def encode_binary(routes: Any, start: int, layers: Sequence[int]) -> bytes:
@@ -216,29 +217,38 @@ def decode_binary(data: bytes, num_experts: int | None = None) -> tuple[np.ndarr
     With ``num_experts`` the ids are checked < E and returned in ``route_dtype(E)``.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ValueError(f"routed_experts: got {type(data).__name__}, expected bytes")
+        raise FieldError("routed_experts", type(data).__name__, "bytes",
+                         f"routed_experts: got {type(data).__name__}, expected bytes")
     data = bytes(data)
     if len(data) < _FIXED.size:
-        raise ValueError(f"routed_experts has {len(data)} bytes: expected at least the "
+        raise FieldError("routed_experts", len(data), "a header",
+                         f"routed_experts has {len(data)} bytes: expected at least the "
                          f"{_FIXED.size}-byte header")
     magic, version, code, head_len, rows, num_layers, top_k, start, n_layers = _FIXED.unpack_from(data)
     if magic != BINARY_MAGIC:
-        raise ValueError(f"routed_experts magic={magic!r}: expected {BINARY_MAGIC!r}")
+        raise FieldError("routed_experts.magic", magic, repr(BINARY_MAGIC),
+                         f"routed_experts magic={magic!r}: expected {BINARY_MAGIC!r}")
     if version != BINARY_VERSION:
-        raise ValueError(f"routed_experts version={version}: expected {BINARY_VERSION}")
+        raise FieldError("routed_experts.version", version, str(BINARY_VERSION),
+                         f"routed_experts version={version}: expected {BINARY_VERSION}")
     if code not in _NAMES:
-        raise ValueError(f"routed_experts dtype code={code}: expected one of {sorted(_NAMES)} "
+        raise FieldError("routed_experts.dtype", code, "a wire dtype code",
+                         f"routed_experts dtype code={code}: expected one of {sorted(_NAMES)} "
                          f"({', '.join(WIRE_DTYPES)})")
     if start < 0:
-        raise ValueError(f"routed_experts start={start}: expected an int >= 0")
+        raise FieldError("routed_experts.start", start, "an int >= 0",
+                         f"routed_experts start={start}: expected an int >= 0")
     if n_layers != num_layers:
-        raise ValueError(f"routed_experts has {n_layers} layer ids: expected L = {num_layers}")
+        raise FieldError("routed_experts.layers", n_layers, f"L = {num_layers} ids",
+                         f"routed_experts has {n_layers} layer ids: expected L = {num_layers}")
     if head_len < _FIXED.size + 4 * n_layers or head_len % 8 or head_len > len(data):
-        raise ValueError(f"routed_experts header_len={head_len}: expected a multiple of 8 in "
+        raise FieldError("routed_experts.header_len", head_len, "a multiple of 8",
+                         f"routed_experts header_len={head_len}: expected a multiple of 8 in "
                          f"[{_FIXED.size + 4 * n_layers}, {len(data)}]")
     layers = np.frombuffer(data, "<i4", n_layers, _FIXED.size).tolist()
     if any(v < 0 for v in layers):
-        raise ValueError(f"routed_experts layers={layers}: expected ids >= 0")
+        raise FieldError("routed_experts.layers", layers, "ids >= 0",
+                         f"routed_experts layers={layers}: expected ids >= 0")
     routes = _from_bytes(data[head_len:], _NAMES[code], (rows, num_layers, top_k), num_experts,
                          "routed_experts payload")
     return routes, int(start), layers

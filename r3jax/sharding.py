@@ -15,6 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from r3jax.checks import is_int
+
 AXES = ("data", "fsdp", "expert")
 BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over data x fsdp, replicated over expert
 
@@ -26,7 +28,7 @@ def make_mesh(data: int = -1, fsdp: int = 1, expert: int = 1, devices: Sequence[
     devices = list(jax.devices() if devices is None else devices)
     sizes = {"data": data, "fsdp": fsdp, "expert": expert}
     for name, v in sizes.items():
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or (v < 1 and v != -1):
+        if not is_int(v) or (v < 1 and v != -1):
             raise ValueError(f"{name}={v!r}: expected an int >= 1, or -1 for the remaining devices")
     free = [name for name, v in sizes.items() if v == -1]
     if len(free) > 1:

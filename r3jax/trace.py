@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from r3jax.routes import check_int, uncaptured_rows
+from r3jax.checks import FieldError, check_int, check_prompt_start
+from r3jax.routes import uncaptured_rows
 
 _MISSING = "missing routed-expert row for loss-active target at token"
 
@@ -147,20 +148,26 @@ class RoutedExpertTrace:
         """A new trace with one engine call's rows appended; ``self`` is unchanged.
 
         prompt_len P >= prompt_start s, generated_len G >= 1, routes ``[P - s + G - 1, L, K]``
-        (any integer dtype; the trace widens). ``layers``: the payload's MoE layer ids; they must
-        equal this trace's ``moe_layer_ids`` when both are known.
+        with K >= 1 (any integer dtype but bool, int8 and uint64; the trace widens). ``layers``: the
+        payload's MoE layer ids; they must equal this trace's ``moe_layer_ids`` when both are known.
+        Shapes and dtypes only are checked here (so this runs under ``jax.jit``); id values are
+        checked where they enter: the route decoders, the engine and ``collate``.
         """
         s = self.prompt_start
         p = check_int("prompt_len", prompt_len)
         g = check_int("generated_len", generated_len, 1)
-        if p < s:
-            raise ValueError(f"prompt_len={p}: expected >= prompt_start={s} (the conversation "
-                             f"cannot be shorter than the rows already captured)")
+        check_prompt_start(s, p, field="prompt_start")  # rows captured so far must fit the prompt
         if not isinstance(routes, (np.ndarray, jax.Array)):
-            raise ValueError(f"routes: got {type(routes).__name__}, expected a numpy or jax array "
+            raise FieldError("routes", type(routes).__name__, "a numpy or jax array [rows, L, K]",
+                             f"routes: got {type(routes).__name__}, expected a numpy or jax array "
                              f"[rows, L, K]")
-        if routes.ndim != 3:
-            raise ValueError(f"routes shape={tuple(routes.shape)}: expected an array [rows, L, K]")
+        if routes.ndim != 3 or routes.shape[2] == 0:
+            raise FieldError("routes", tuple(routes.shape), "[rows, L, K] with K >= 1",
+                             f"routes shape={tuple(routes.shape)}: expected an array [rows, L, K] "
+                             f"with K >= 1 (K = experts per token)")
+        if routes.dtype == np.bool_:
+            raise FieldError("routes.dtype", "bool", "an integer dtype (expert ids, not flags)",
+                             "routes dtype=bool: expected an integer dtype (expert ids, not flags)")
         ids = self.moe_layer_ids
         if layers is not None:
             new = _layer_ids("layers", layers)

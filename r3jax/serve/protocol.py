@@ -4,7 +4,9 @@
 Every decoded output is checked against the request before it is returned: G >= 1 tokens (at most
 max_tokens) in ``[0, V)``, G logprobs when asked for, and route rows obeying DESIGN.md §3 — exactly
 ``P - s + G - 1`` rows of ``[L, K]`` ids < E starting at s, from the served MoE layers. A server that
-breaks the contract raises :class:`ProtocolError`; nothing is silently trimmed or padded.
+breaks the contract raises :class:`ProtocolError` (naming the field in ``err.field``); nothing is
+silently trimmed, padded or defaulted: a response without ``prompt_tokens``, ``cached_tokens`` or
+``weight_version`` is refused. Bad request fields raise :class:`r3jax.checks.FieldError`.
 """
 
 from __future__ import annotations
@@ -15,13 +17,22 @@ import struct
 
 import numpy as np
 
+from r3jax import checks
 from r3jax import routes as routes_lib
+from r3jax.checks import FieldError
 
 BINARY_MEDIA_TYPE = "application/vnd.r3jax.generate+binary"  # the app imports it from here
 
 
 class ProtocolError(RuntimeError):
-    """The server's answer breaks the wire contract (wrong row count, bad fields); not retried."""
+    """The server's answer breaks the wire contract (wrong row count, bad fields); not retried.
+
+    ``field``: the response field at fault (e.g. ``"weight_version"``), or None when the whole
+    answer is (not JSON, wrong media type)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,21 +55,12 @@ class ServedModel:
 
 
 def check_start(request) -> int:
-    """``routed_experts_prompt_start`` as an int in ``[0, len(prompt_ids)]`` (not a bool), or ValueError."""
-    s, p = request.routed_experts_prompt_start, len(request.prompt_ids)
-    if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)) or not 0 <= s <= p:
-        raise ValueError(f"routed_experts_prompt_start={s!r}: expected an int in [0, P={p}] "
-                         "(P = number of prompt tokens)")
-    return int(s)
+    """``routed_experts_prompt_start`` by :func:`r3jax.checks.check_prompt_start`, or FieldError."""
+    return checks.check_prompt_start(request.routed_experts_prompt_start, len(request.prompt_ids))
 
 
 def _ints(name: str, values) -> list[int]:
-    out = []
-    for i, v in enumerate(values):
-        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-            raise ValueError(f"{name}[{i}]={v!r}: expected an int")
-        out.append(int(v))
-    return out
+    return [checks.check_int(f"{name}[{i}]", v, lo=None) for i, v in enumerate(values)]
 
 
 def request_body(request) -> dict:
@@ -87,12 +89,12 @@ def sglang_body(request) -> dict:
 
 def _field(obj: dict, key: str, kind, where: str):
     if key not in obj:
-        raise ProtocolError(f"{where}: missing field {key!r}")
+        raise ProtocolError(f"{where}: missing field {key!r}", key)
     value = obj[key]
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ProtocolError(f"{where}.{key}={value!r}: expected an int")
+    if kind is int and not checks.is_int(value):
+        raise ProtocolError(f"{where}.{key}={value!r}: expected an int", key)
     if kind is list and not isinstance(value, list):
-        raise ProtocolError(f"{where}.{key}={value!r}: expected a list")
+        raise ProtocolError(f"{where}.{key}={value!r}: expected a list", key)
     return value
 
 
@@ -113,7 +115,10 @@ def _routes(routes, start, layers, request, g: int, info: ServedModel, where: st
 def _output(obj: dict, routes, request, info: ServedModel, where: str):
     from r3jax.engine import GenerateOutput  # deferred: the client itself needs no JAX
 
-    ids = _ints("output_ids", _field(obj, "output_ids", list, where))
+    try:
+        ids = _ints("output_ids", _field(obj, "output_ids", list, where))
+    except FieldError as e:
+        raise ProtocolError(f"{where}: {e}", e.field) from None
     g = len(ids)
     if not 1 <= g <= request.max_tokens:
         raise ProtocolError(f"{where}: {g} output_ids: expected 1..max_tokens={request.max_tokens}")
@@ -136,9 +141,9 @@ def _output(obj: dict, routes, request, info: ServedModel, where: str):
     else:
         routes = None
     return GenerateOutput(output_ids=ids, logprobs=logprobs, finish_reason=finish, routed_experts=routes,
-                          prompt_tokens=int(obj.get("prompt_tokens", len(request.prompt_ids))),
-                          cached_tokens=int(obj.get("cached_tokens", 0)),
-                          weight_version=int(obj.get("weight_version", 0)),
+                          prompt_tokens=_field(obj, "prompt_tokens", int, where),
+                          cached_tokens=_field(obj, "cached_tokens", int, where),
+                          weight_version=_field(obj, "weight_version", int, where),
                           routed_experts_start=int(request.routed_experts_prompt_start))
 
 
@@ -165,7 +170,7 @@ def parse_response(content: bytes, media_type: str, request, info: ServedModel, 
     except ProtocolError:
         raise
     except (ValueError, struct.error) as e:  # bad JSON, bad base64, byte counts, ids >= E
-        raise ProtocolError(f"{where}: {e}") from None
+        raise ProtocolError(f"{where}: {e}", getattr(e, "field", None)) from None
     if not isinstance(obj, dict):
         raise ProtocolError(f"{where}: response is a JSON {type(obj).__name__}: expected an object")
     return _output(obj, routes, request, info, where)
@@ -187,22 +192,34 @@ def parse_sglang(content: bytes, request, info: ServedModel, where: str):
         lps = meta.get("output_token_logprobs")
         out = {"output_ids": ids, "finish_reason": finish,
                "logprobs": None if lps is None else [t[0] for t in lps],
-               "prompt_tokens": meta.get("prompt_tokens", len(request.prompt_ids)),
-               "cached_tokens": meta.get("cached_tokens", 0)}
-        version = meta.get("weight_version", 0)
-        out["weight_version"] = int(version) if str(version).lstrip("-").isdigit() else 0
+               "prompt_tokens": _field(meta, "prompt_tokens", int, f"{where}: meta_info"),
+               "cached_tokens": _field(meta, "cached_tokens", int, f"{where}: meta_info"),
+               "weight_version": _sglang_version(meta, where)}
         routes = None
         if meta.get("routed_experts") is not None:
-            full = routes_lib.decode_sglang(meta["routed_experts"], len(info.moe_layer_ids), info.top_k)
+            full = routes_lib.decode_sglang(meta["routed_experts"], len(info.moe_layer_ids), info.top_k,
+                                            info.num_experts)
             p, g = len(request.prompt_ids), len(ids)
             if full.shape[0] != p + g - 1:
                 raise ProtocolError(f"{where}: SGLang routed_experts has {full.shape[0]} rows: expected "
-                                    f"P + G - 1 = {p + g - 1}")
-            routes_lib.check_ids(full, info.num_experts)
+                                    f"P + G - 1 = {p + g - 1}", "routed_experts")
             s = int(request.routed_experts_prompt_start)
-            routes = (full[s:].astype(routes_lib.route_dtype(info.num_experts)), s, None)
+            routes = (full[s:], s, None)
     except ProtocolError:
         raise
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        raise ProtocolError(f"{where}: not an SGLang /generate response ({type(e).__name__}: {e})") from None
+        raise ProtocolError(f"{where}: not an SGLang /generate response ({type(e).__name__}: {e})",
+                            getattr(e, "field", None)) from None
     return _output(out, routes, request, info, where)
+
+
+def _sglang_version(meta: dict, where: str) -> int:
+    """SGLang's ``meta_info.weight_version`` (a string there) as an int; missing or non-numeric is an
+    error, not version 0: the trainer compares versions to spot trajectories that span an update."""
+    version = meta.get("weight_version")
+    if checks.is_int(version) or (isinstance(version, str) and version.strip().lstrip("-").isdigit()):
+        return int(version)
+    state = "missing" if version is None else f"{version!r}"
+    raise ProtocolError(f"{where}: meta_info.weight_version is {state}: expected an integer version "
+                        "(start SGLang with --weight-version 0 and pass weight_version=N with each weight "
+                        "update)", "weight_version")

@@ -8,33 +8,43 @@ Two stages, so every rejection names its field:
    ``[0, V)``, ``1 <= max_tokens``, ``P + max_tokens <= max_seq_len``,
    ``0 <= routed_experts_prompt_start <= P`` (DESIGN.md §3), sampling ranges.
 
-Failures raise :class:`InputError` (field, message), which the app turns into a 4xx JSON body
-``{"error": "invalid_request", "field": ..., "detail": ...}``.
+Failures raise :class:`InputError`, a :class:`r3jax.checks.FieldError` (``err.field`` is the dotted
+body field as data) with a status; the app turns it into a 4xx JSON body
+``{"error": "invalid_request", "field": ..., "detail": ...}``. The rules themselves (ints, the
+prompt start) are :mod:`r3jax.checks`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from r3jax import checks
 from r3jax import routes as routes_lib
+from r3jax.checks import FieldError
 
 MAX_SEED = 2**64 - 1  # the engine turns a seed into a 64-bit PRNG key
 MAX_STOP_TOKENS = 64
 MAX_SESSION_ID = 256
 
 
-class InputError(ValueError):
-    """Bad client input: ``field`` (dotted path, e.g. ``sampling_params.max_tokens``), a message, a
-    status code (422 unless the body is not JSON at all: 400, or too large: 413)."""
+class InputError(FieldError):
+    """Bad client input: a :class:`FieldError` (``field``: dotted path, e.g.
+    ``sampling_params.max_tokens``; ``value``; ``expected``) with the message sent back and a status
+    code (422 unless the body is not JSON at all: 400, or too large: 413)."""
 
-    def __init__(self, field: str, message: str, status: int = 422):
-        super().__init__(message)
-        self.field, self.message, self.status = field, message, status
+    def __init__(self, field: str, message: str, status: int = 422, *, value: Any = None,
+                 expected: str = ""):
+        super().__init__(field, value, expected, message)
+        self.status = status
+
+    @classmethod
+    def of(cls, err: FieldError, status: int = 422) -> "InputError":
+        """``err`` (raised by a :mod:`r3jax.checks` rule) as an InputError with its field and message."""
+        return cls(err.field, err.message, status, value=err.value, expected=err.expected)
 
     def body(self) -> dict:
         return {"error": "invalid_request", "field": self.field, "detail": self.message}
@@ -177,8 +187,10 @@ def _fields_at(model: type[BaseModel], loc: tuple) -> list[str]:
 
 
 def _in_range(field: str, value: int, lo: int, hi: int, why: str = "") -> None:
+    """A range on an int pydantic has already checked; ``why`` says where a bound comes from."""
     if not lo <= value <= hi:
-        raise InputError(field, f"{field}={value}: expected an int in [{lo}, {hi}]{why}")
+        raise InputError(field, f"{field}={value}: expected an int in [{lo}, {hi}]{why}", value=value,
+                         expected=f"an int in [{lo}, {hi}]")
 
 
 def to_request(body: GenerateBody, limits: Limits):
@@ -211,8 +223,11 @@ def to_request(body: GenerateBody, limits: Limits):
                          f"{len(sp.stop_token_ids)} ids: expected at most {MAX_STOP_TOKENS}")
     for i, tok in enumerate(sp.stop_token_ids):
         _in_range(f"sampling_params.stop_token_ids[{i}]", tok, 0, vocab - 1)
-    _in_range("sampling_params.routed_experts_prompt_start", sp.routed_experts_prompt_start, 0,
-              len(prompt), " (0 <= s <= len(prompt_ids))")
+    try:
+        checks.check_prompt_start(sp.routed_experts_prompt_start, len(prompt),
+                                  field="sampling_params.routed_experts_prompt_start")
+    except FieldError as e:
+        raise InputError.of(e) from None
     if body.session_id is not None and len(body.session_id) > MAX_SESSION_ID:
         raise InputError("session_id", f"session_id has {len(body.session_id)} chars: expected at "
                          f"most {MAX_SESSION_ID}")
@@ -232,12 +247,23 @@ _SAMPLING = set(SamplingParams.model_fields)
 
 
 def engine_error(err: ValueError) -> InputError:
-    """An engine ValueError ("name=value: expected ...") as an InputError naming the body field."""
-    msg = re.sub(r"^requests\[\d+\]\.", "", str(err))  # Engine.generate prefixes the request index
-    m = re.match(r"([A-Za-z_]\w*)", msg)
-    name = m.group(1) if m else "body"
-    field = f"sampling_params.{name}" if name in _SAMPLING else (name if m else "body")
-    return InputError(field, msg)
+    """An engine refusal as an InputError naming the body field.
+
+    A :class:`FieldError` carries its field as data (``max_tokens``, ``requests[0].prompt_ids[3]``):
+    the request index is dropped and sampling fields are put under ``sampling_params``. Any other
+    ValueError names no field, so it is reported against the whole body.
+    """
+    if not isinstance(err, FieldError):
+        return InputError("body", str(err))
+    field, message = err.field, err.message
+    if field.startswith("requests["):  # Engine.generate nests each request's errors under its index
+        prefix = field.split(".", 1)[0] + "."
+        field = field[len(prefix):]
+        message = message[len(prefix):] if message.startswith(prefix) else message
+    name = field.split(".", 1)[0].split("[", 1)[0]
+    if name in _SAMPLING:
+        field, message = f"sampling_params.{field}", f"sampling_params.{message}"
+    return InputError(field, message, value=err.value, expected=err.expected)
 
 
 def output_json(out, layers: list[int], *, binary_routes: bool = False) -> tuple[dict, bytes]:
@@ -248,7 +274,8 @@ def output_json(out, layers: list[int], *, binary_routes: bool = False) -> tuple
     the :func:`r3jax.routes.encode_binary` frame returned second (0 when no routes were asked for).
     """
     routes = out.routed_experts
-    start = int(getattr(out, "routed_experts_start", 0) or 0)
+    # No default: a start that is not the request's s would misplace every row by the difference.
+    start = None if routes is None else out.routed_experts_start
     obj = {"output_ids": [int(t) for t in out.output_ids],
            "logprobs": None if out.logprobs is None else [float(x) for x in out.logprobs],
            "finish_reason": out.finish_reason, "routed_experts": None,

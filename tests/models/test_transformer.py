@@ -1,5 +1,7 @@
 """Behaviour of the MoE transformer: shapes, replay semantics, kernels, cache, validation."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -141,6 +143,37 @@ def test_segments_do_not_attend_to_each_other(setup):
     np.testing.assert_array_equal(got.routes[0, 5:], out.routes[1, :7])
 
 
+def _unpadded(fwd, tokens, n):
+    """Each row's first n tokens, on its own (positions 0..n-1, no padding)."""
+    return fwd(tokens[:, :n], jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (B, n)))
+
+
+def test_right_padding_never_reaches_real_tokens(setup):
+    """DESIGN.md §5: right padding with positions 0 and no segment_ids leaves real tokens alone."""
+    cfg, _, fwd, tokens, _, _ = setup
+    n = 7
+    want = _unpadded(fwd, tokens, n)
+    pad_tokens = tokens.at[:, n:].set((tokens[:, n:] + 5) % cfg.vocab_size)  # padding ids vary too
+    pos = jnp.where(jnp.arange(T) < n, jnp.arange(T), 0).astype(jnp.int32)  # padding positions 0
+    got = fwd(pad_tokens, jnp.broadcast_to(pos, (B, T)))
+    np.testing.assert_allclose(got.logits[:, :n], want.logits, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(got.routes[:, :n], want.routes)
+    np.testing.assert_array_equal(got.live_routes[:, :n], want.live_routes)
+
+
+def test_left_padding_with_segment_ids(setup):
+    """Left padding is supported when segment_ids give the padding its own id (0 here)."""
+    cfg, _, fwd, tokens, _, _ = setup
+    n, pad = 7, T - 7
+    want = _unpadded(fwd, tokens, n)
+    left = jnp.concatenate([jnp.full((B, pad), 3, jnp.int32), tokens[:, :n]], axis=1)
+    pos = jnp.concatenate([jnp.zeros(pad, jnp.int32), jnp.arange(n, dtype=jnp.int32)])
+    seg = jnp.concatenate([jnp.zeros(pad, jnp.int32), jnp.ones(n, jnp.int32)])
+    got = fwd(left, jnp.broadcast_to(pos, (B, T)), segment_ids=jnp.broadcast_to(seg, (B, T)))
+    np.testing.assert_allclose(got.logits[:, pad:], want.logits, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(got.routes[:, pad:], want.routes)
+
+
 def test_kv_cache_incremental_equals_full_forward(setup):
     cfg, model, _, tokens, positions, out = setup
     graphdef, state = nnx.split(model)
@@ -176,18 +209,21 @@ class TestValidateReplay:
 
     def test_id_out_of_range(self):
         r = np.tile(np.arange(2, dtype=np.int32), (B, T, 2, 1))
-        r[1, 3, 0, 1] = 8
-        with pytest.raises(ValueError, match=r"expert id 8: expected ids in \[0, num_experts=8\)"):
+        r[1, 3, 0, 1] = 8  # == E
+        with pytest.raises(ValueError, match=re.escape("replay.routes (trajectory 1, token 3, layer 0): expert id 8 "
+                                                       "at slot 1: expected ids >= 0 and < num_experts=8")):
             validate_replay(self._replay(r), self.cfg, (B, T))
         r[1, 3, 0, 1] = -1
-        with pytest.raises(ValueError, match="expert id -1"):
+        with pytest.raises(ValueError, match=r"\(trajectory 1, token 3, layer 0\): expert id -1"):
             validate_replay(self._replay(r), self.cfg, (B, T))
 
     def test_duplicates(self):
         r = np.tile(np.arange(2, dtype=np.uint8), (B, T, 2, 1))
         r[0, 5, 1] = [3, 3]
-        with pytest.raises(ValueError, match=r"duplicate expert ids \[3, 3\] at \(batch 0, token 5, moe layer 1\)"):
+        with pytest.raises(ValueError, match=re.escape("replay.routes (trajectory 0, token 5, layer 1)=[3, 3]: "
+                                                       "expert id 3 repeated")) as e:
             validate_replay(self._replay(r), self.cfg, (B, T))
+        assert e.value.field == "replay.routes" and e.value.value == [3, 3]
         mask = np.ones((B, T), bool)
         mask[0, 5] = False  # masked-out rows are ignored
         validate_replay(self._replay(r, mask), self.cfg, (B, T))
@@ -195,8 +231,10 @@ class TestValidateReplay:
     def test_shapes_and_dtypes(self):
         with pytest.raises(ValueError, match=r"replay.routes shape=\(2, 12, 3, 2\): expected \[B, T, L, K\] = \(2, 12, 2, 2\)"):
             validate_replay(self._replay(np.zeros((B, T, 3, 2), np.uint8)), self.cfg, (B, T))
-        with pytest.raises(ValueError, match="replay.routes dtype=float32: expected an integer dtype"):
-            validate_replay(self._replay(np.zeros((B, T, 2, 2), np.float32)), self.cfg, (B, T))
+        for dtype in (np.float32, bool):
+            routes = np.tile(np.arange(2), (B, T, 2, 1)).astype(dtype)
+            with pytest.raises(ValueError, match=f"replay.routes.dtype='{np.dtype(dtype)}': expected an integer dtype"):
+                validate_replay(self._replay(routes), self.cfg, (B, T))
         with pytest.raises(ValueError, match="replay.mask dtype=int64: expected bool"):
             validate_replay(self._replay(mask=np.ones((B, T), np.int64)), self.cfg, (B, T))
         with pytest.raises(ValueError, match=r"replay.mask shape=\(2, 11\)"):

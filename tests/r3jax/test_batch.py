@@ -2,6 +2,8 @@
 route_mask on padding and the terminal gap, batch-dim padding, rejections, and segment isolation
 through the real model."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,8 +106,8 @@ def test_collate_rejections(change, kwargs, message):
 def test_collate_checks_ids_only_on_captured_rows():
     bad = {**TRAJS[0], "routes": TRAJS[0]["routes"].copy()}
     bad["routes"][0, 0, 0] = E
-    with pytest.raises(ValueError, match=r"trajectories\[0\].routes contains expert id 8: expected ids "
-                                         r"in \[0, num_experts=8\)"):
+    with pytest.raises(ValueError, match=re.escape("trajectories[0].routes (token 0, layer 0): expert id 8 at "
+                                                   "slot 0: expected ids >= 0 and < num_experts=8")):
         collate([bad], buckets=(8,), num_experts=E, top_k=K, num_layers=L)
     gap = {**TRAJS[0], "routes": TRAJS[0]["routes"].copy()}
     gap["routes"][4] = 200  # uncaptured: ignored, replaced by 0..K-1
@@ -116,6 +118,31 @@ def test_collate_checks_ids_only_on_captured_rows():
                 num_layers=L)
     with pytest.raises(ValueError, match="trajectories is empty"):
         collate([], num_experts=E, top_k=K, num_layers=L)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_collate_refuses_bad_replay_ids_naming_trajectory_token_layer_value(packed):
+    """A replayed [3, 3] would become top-1 with a doubled gate; ids >= E, bool and float ids are not
+    expert ids. Each is refused in both layouts, naming trajectory, token, layer and value."""
+    def with_routes(change):
+        routes = TRAJS[1]["routes"].copy()
+        change(routes)
+        return [TRAJS[0], {**TRAJS[1], "routes": routes}, TRAJS[2]]
+
+    kw = dict(buckets=(8,), packed=packed, num_experts=E, top_k=K, num_layers=L)
+    cases = [(lambda r: r.__setitem__((4, 1), [3, 3]), "trajectories[1].routes (token 4, layer 1)=[3, 3]: "
+              "expert id 3 repeated; expected K distinct expert ids per (token, layer)", [3, 3]),
+             (lambda r: r.__setitem__((2, 0, 1), E), "trajectories[1].routes (token 2, layer 0): expert id 8 "
+              "at slot 1: expected ids >= 0 and < num_experts=8", E)]
+    for change, message, value in cases:
+        with pytest.raises(ValueError, match=re.escape(message)) as err:
+            collate(with_routes(change), **kw)
+        assert err.value.field == "trajectories[1].routes" and err.value.value == value
+    for dtype in (bool, np.float32):
+        trajs = [TRAJS[0], {**TRAJS[1], "routes": TRAJS[1]["routes"].astype(dtype)}, TRAJS[2]]
+        with pytest.raises(ValueError, match=re.escape(f"trajectories[1].routes.dtype='{np.dtype(dtype)}': "
+                                                       "expected an integer dtype (not bool or float)")):
+            collate(trajs, **kw)
 
 
 def test_packed_segments_do_not_attend_across_and_replay_aligns():

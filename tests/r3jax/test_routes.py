@@ -28,13 +28,15 @@ def test_route_dtype_and_compact(num_experts, dtype):
 
 
 def test_compact_rejects_out_of_range_and_non_integers():
-    with pytest.raises(ValueError, match=r"expert id 8: expected ids in \[0, num_experts=8\)"):
+    with pytest.raises(ValueError, match=r"expert id 8 at slot 1: expected ids >= 0 and < num_experts=8"):
         R.compact(np.array([[[0, 8]]]), 8)
-    with pytest.raises(ValueError, match="expert id -1: expected ids >= 0"):
+    with pytest.raises(ValueError, match="expert id -1 at slot 0: expected ids >= 0"):
         R.compact(np.array([[[-1, 0]]]), 8)
-    with pytest.raises(ValueError, match="dtype=float32: expected an integer dtype"):
+    with pytest.raises(ValueError, match="expert id 3 repeated"):
+        R.compact(np.array([[[3, 3]]]), 8)
+    with pytest.raises(ValueError, match="dtype='float32': expected an integer dtype"):
         R.compact(np.zeros((1, 1, 2), np.float32), 8)
-    with pytest.raises(ValueError, match="dtype=bool"):
+    with pytest.raises(ValueError, match="dtype='bool'"):
         R.compact(np.zeros((1, 1, 2), bool), 8)
 
 
@@ -65,7 +67,7 @@ def test_decode_with_num_experts_compacts_and_checks_range():
     out = R.decode(R.encode(routes, 0, [0, 1, 2]), num_experts=300)
     assert out.dtype == np.int16
     np.testing.assert_array_equal(out, routes)
-    with pytest.raises(ValueError, match=r"expert id 2\d\d: expected ids in \[0, num_experts=200\)"):
+    with pytest.raises(ValueError, match=r"expert id 2\d\d at slot \d: expected ids >= 0 and < num_experts=200"):
         R.decode(R.encode(routes, 0, [0, 1, 2]), num_experts=200)
 
 
@@ -82,7 +84,7 @@ def _good():
     (lambda p: p.update(shape=[2, 3, 2, 1]), "expected 3 dims"),
     (lambda p: p.update(shape=[-2, 3, 2]), r"routed_experts.shape\[0\]=-2: expected an int >= 0"),
     (lambda p: p.update(shape=[True, 3, 2]),
-     r"routed_experts.shape\[0\]=True: expected an int \(not a bool\)"),
+     r"routed_experts.shape\[0\]=True: expected an int >= 0"),
     (lambda p: p.update(shape=[2.0, 3, 2]), r"routed_experts.shape\[0\]=2.0: expected an int"),
     (lambda p: p.update(data="@@not base64@@"), "routed_experts.data: not valid base64"),
     (lambda p: p.update(data=[[1, 2]]), "nested JSON lists; send the packed form"),
@@ -105,11 +107,12 @@ def test_decode_rejects_lists_negative_ids_and_bad_meta():
         R.decode("{oops")
     neg = {"data": base64.b64encode(np.array([0, -3], "<i2").tobytes()).decode(), "shape": [1, 1, 2],
            "dtype": "int16"}
-    with pytest.raises(ValueError, match="expert id -3: expected ids >= 0"):
+    with pytest.raises(ValueError, match=r"routed_experts \(token 0, layer 0\): expert id -3 at slot 1: "
+                                         "expected ids >= 0"):
         R.decode(neg)
     with pytest.raises(ValueError, match="missing field 'start'"):
         R.decode_payload({k: v for k, v in _good().items() if k != "start"})
-    with pytest.raises(ValueError, match=r"routed_experts.start=True: expected an int \(not a bool\)"):
+    with pytest.raises(ValueError, match="routed_experts.start=True: expected an int >= 0"):
         R.decode_payload({**_good(), "start": True})
     with pytest.raises(ValueError, match=r"routed_experts.layers has 2 ids \[1, 2\]: expected L = 3"):
         R.decode_payload({**_good(), "layers": [1, 2]})
@@ -117,7 +120,7 @@ def test_decode_rejects_lists_negative_ids_and_bad_meta():
 
 def test_encode_rejections():
     good = _routes(2)
-    with pytest.raises(ValueError, match=r"start=True: expected an int \(not a bool\)"):
+    with pytest.raises(ValueError, match="start=True: expected an int >= 0"):
         R.encode(good, True, [1, 2, 3])
     with pytest.raises(ValueError, match="start=-1: expected an int >= 0"):
         R.encode(good, -1, [1, 2, 3])
@@ -125,9 +128,9 @@ def test_encode_rejections():
         R.encode(good, 0, [1, 2])
     with pytest.raises(ValueError, match=r"routes shape=\(2, 6\): expected 3 dims"):
         R.encode(good.reshape(2, 6), 0, [1, 2, 3])
-    with pytest.raises(ValueError, match="routes dtype=bool"):
+    with pytest.raises(ValueError, match="routes.dtype='bool'"):
         R.encode(good.astype(bool), 0, [1, 2, 3])
-    with pytest.raises(ValueError, match="routes dtype=float64"):
+    with pytest.raises(ValueError, match="routes.dtype='float64'"):
         R.encode(good.astype(float), 0, [1, 2, 3])
     with pytest.raises(ValueError, match="routes: got list"):
         R.encode(good.tolist(), 0, [1, 2, 3])
@@ -166,7 +169,7 @@ def test_decode_binary_rejections():
         R.decode_binary(blob + b"\0")
     with pytest.raises(ValueError, match=f"has 10 bytes: expected at least the {head}-byte header"):
         R.decode_binary(blob[:10])
-    with pytest.raises(ValueError, match=r"expert id \d: expected ids in \[0, num_experts=2\)"):
+    with pytest.raises(ValueError, match=r"expert id \d at slot \d: expected ids >= 0 and < num_experts=2"):
         R.decode_binary(blob, num_experts=2)
     with pytest.raises(ValueError, match="got str, expected bytes"):
         R.decode_binary("abc")
@@ -174,3 +177,68 @@ def test_decode_binary_rejections():
     struct.pack_into("<q", bad_start, 24, -5)  # start follows magic..K
     with pytest.raises(ValueError, match="routed_experts start=-5: expected an int >= 0"):
         R.decode_binary(bytes(bad_start))
+
+
+# ---- every decoder refuses what replay cannot use: [3, 3], id == E, bool and float ids -----------
+
+def _bad_rows(kind):
+    """3 rows [3, L=2, K=2] of valid ids, with token 1, layer 1 made bad."""
+    rows = np.array([[[0, 1], [2, 3]]] * 3, np.int32)
+    if kind == "repeat":
+        rows[1, 1] = [3, 3]
+    elif kind == "E":
+        rows[1, 1] = [1, 8]
+    return rows
+
+
+def _frames(rows):
+    """The same rows in every wire form: (name, decode with E = 8)."""
+    layers = [1, 2]
+    wire = {"data": base64.b64encode(rows.astype("<i4").tobytes()).decode(), "shape": list(rows.shape),
+            "dtype": "int32", "start": 0, "layers": layers}
+    head = R._FIXED.pack(R.BINARY_MAGIC, R.BINARY_VERSION, R._CODES["int32"], 48, rows.shape[0], 2, 2, 0, 2)
+    blob = head + np.asarray(layers, "<i4").tobytes() + b"\0" * (48 - R._FIXED.size - 8) + rows.astype("<i4").tobytes()
+    skyrl = {k: wire[k] for k in ("data", "shape", "dtype")}
+    return [("json", lambda e: R.decode(json.dumps(wire), e)),
+            ("payload", lambda e: R.decode_payload(wire, e)),
+            ("skyrl", lambda e: R.decode(skyrl, e)),
+            ("binary", lambda e: R.decode_binary(blob, e)),
+            ("sglang", lambda e: R.decode_sglang(wire["data"], 2, 2, num_experts=e))]
+
+
+@pytest.mark.parametrize("form", ["json", "payload", "skyrl", "binary", "sglang"])
+def test_every_decoder_refuses_repeated_and_out_of_range_ids(form):
+    decode = dict(_frames(_bad_rows("repeat")))[form]
+    for e in (8, None):  # a decoder that does not know E still checks distinctness
+        with pytest.raises(ValueError, match=re.escape("routed_experts (token 1, layer 1)=[3, 3]: expert id 3 "
+                                                       "repeated; expected K distinct")) as err:
+            decode(e)
+        assert err.value.field == "routed_experts" and err.value.value == [3, 3]
+    decode = dict(_frames(_bad_rows("E")))[form]
+    with pytest.raises(ValueError, match=re.escape("routed_experts (token 1, layer 1): expert id 8 at slot 1: "
+                                                   "expected ids >= 0 and < num_experts=8")):
+        decode(8)
+    decode(9)  # 8 is a valid id of 9 experts
+    negative = _bad_rows("ok")
+    negative[2, 0, 1] = -4
+    with pytest.raises(ValueError, match=re.escape("routed_experts (token 2, layer 0): expert id -4 at slot 1")):
+        dict(_frames(negative))[form](None)
+
+
+@pytest.mark.parametrize("dtype", ["bool", "float32", "float64"])
+def test_decoders_refuse_bool_and_float_ids(dtype):
+    ids = np.array([[[0, 1]]], dtype)
+    wire = {"data": base64.b64encode(ids.tobytes()).decode(), "shape": [1, 1, 2], "dtype": dtype,
+            "start": 0, "layers": [1]}
+    for decode in (R.decode, R.decode_payload):
+        with pytest.raises(ValueError, match=f"routed_experts.dtype='{dtype}': expected one of") as err:
+            decode(wire, 8)
+        assert err.value.field == "routed_experts.dtype"
+    # binary framing has no code for them: a frame claiming one is refused by its code
+    blob = bytearray(R.encode_binary(np.array([[[0, 1]]], np.uint8), 0, [1]))
+    blob[5] = 0
+    with pytest.raises(ValueError, match="routed_experts dtype code=0"):
+        R.decode_binary(bytes(blob))
+    # encoders refuse them too, so they never reach the wire
+    with pytest.raises(ValueError, match=f"routes.dtype='{dtype}'"):
+        R.encode(ids, 0, [1])
