@@ -141,12 +141,15 @@ class RemoteInferenceClient:
                         route_bytes=self._proto.route_bytes(r.content, media_type), route_rows=rows)
         return out
 
+    def _count_retry(self, error: Retryable, wait: float) -> None:
+        self._stats.add(retries=1, retry_wait_s=wait)
+
     async def _one(self, request, body: bytes):
         async with self._pools.current().sem:
             t0 = time.perf_counter()
             try:
                 out = await call_with_retries(lambda: self._attempt(request, body), self.retry,
-                                              on_retry=lambda e, wait: self._stats.add(retries=1))
+                                              on_retry=self._count_retry)
             except BaseException:
                 self._stats.add(failed=1)
                 raise

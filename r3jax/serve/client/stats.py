@@ -8,7 +8,8 @@
   or the ``routed_experts`` JSON value with its base64 data); ``route_rows``: route rows decoded.
 - ``decode_s``: seconds spent decoding and checking answers (JSON, routes, the row rule), on the
   client's event loop; ``request_s``: seconds from sending each request to its decoded answer,
-  summed over requests (retries and waits included).
+  summed over requests (retries and waits included); ``retry_wait_s``: seconds slept between
+  attempts (backoff and ``Retry-After``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import threading
 
 FIELDS = ("requests", "failed", "attempts", "retries", "responses", "body_bytes", "route_bytes",
-          "route_rows", "decode_s", "request_s")
+          "route_rows", "decode_s", "request_s", "retry_wait_s")
 
 
 class ClientStats:
