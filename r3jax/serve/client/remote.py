@@ -107,8 +107,11 @@ class RemoteInferenceClient:
             if not isinstance(e, _NOT_A_DEATH):
                 self.replicas.mark_dead(replica)  # refused, reset: skip it until /health answers
             raise Retryable(f"{replica.url}: {type(e).__name__}: {e}") from e
-        except Retryable:
-            self.replicas.mark_dead(replica)  # 502/503/504/...: warming up, draining or overloaded
+        except Retryable as e:
+            self.replicas.mark_dead(replica, e.retry_after)  # 408/429/502/503/504: warming up, draining, full
+            if e.retry_after is not None and self.replicas.any_alive():
+                # its Retry-After is about that replica: another live one can take the retry now
+                raise Retryable(str(e)) from e
             raise
         finally:
             replica.in_flight -= 1

@@ -5,7 +5,8 @@
   sessions of a replica that dies move.
 - Without a session: the live replica with the fewest requests in flight (ties rotate).
 - A replica that failed a connection (or answered 503) is dead until ``GET /health`` answers 200
-  again; dead replicas are re-probed in the background every ``health_interval_s``. When none is
+  again; dead replicas are re-probed in the background every ``health_interval_s`` (not before
+  their ``Retry-After``). When none is
   live the pick waits for the current probes, then raises :class:`Retryable` (the retry budget
   decides how long to keep trying).
 """
@@ -29,6 +30,7 @@ class Replica:
         self.alive, self.in_flight, self.next_probe = True, 0, 0.0
         self.info: ServedModel | None = None
         self.probe: asyncio.Future | None = None
+        self.probes = 0  # probes started; only the latest one's answer counts
         self.sent = 0  # attempts sent here, for tests and load reports
 
 
@@ -53,15 +55,25 @@ class Replicas:
     def __len__(self) -> int:
         return len(self.all)
 
-    def mark_dead(self, replica: Replica) -> None:
+    def mark_dead(self, replica: Replica, for_s: float | None = None) -> None:
+        """Out of rotation; re-probed after ``health_interval_s`` (or ``for_s``, its Retry-After, if longer)."""
         replica.alive = False
-        replica.next_probe = self.clock() + self.health_interval_s
+        replica.next_probe = self.clock() + max(self.health_interval_s, for_s or 0.0)
+
+    def any_alive(self) -> bool:
+        return any(r.alive for r in self.all)
 
     async def probe(self, replica: Replica) -> bool:
-        replica.alive = await self.check(replica.url)
-        if not replica.alive:
-            replica.next_probe = self.clock() + self.health_interval_s
-        return replica.alive
+        """Ask ``/health``; the answer sets liveness unless a newer probe started meanwhile (a
+        probe that hung until its timeout must not undo a later one that saw the replica back)."""
+        replica.probes += 1
+        mine = replica.probes
+        healthy = await self.check(replica.url)
+        if mine == replica.probes:
+            replica.alive = healthy
+            if not healthy:
+                replica.next_probe = self.clock() + self.health_interval_s
+        return healthy
 
     def _start_probes(self, loop: asyncio.AbstractEventLoop) -> None:
         now = self.clock()

@@ -78,6 +78,16 @@ def test_503_retry_after_is_honoured(serve_helpers):
         assert app.posts == 1 and client.stats["retry_wait_s"] == 0.0
 
 
+def test_retry_after_of_one_replica_does_not_hold_the_request_when_another_is_live(serve_helpers):
+    busy = Flaky(create_app(serve_helpers.FakeEngine()), 10**6, 503, {"Retry-After": "30"})
+    with serve_helpers.thread_server(busy) as a, serve_helpers.thread_server(create_app(serve_helpers.FakeEngine())) as b, \
+            fast([a.url, b.url]) as client:
+        outs = client.generate([GenerateRequest([1, 2], max_tokens=1, session_id=f"s{i}") for i in range(8)])
+        assert len(outs) == 8 and 1 <= busy.posts <= 8  # sessions hashed to A moved to B at once...
+        assert client.stats["retries"] == busy.posts and client.stats["retry_wait_s"] < 1.0  # ...without waiting 30 s
+        assert client.health() == {a.url: True, b.url: True}  # A answers /health: back in rotation for later
+
+
 def test_retry_budget_is_a_time(serve_helpers):
     """No count limit by default: a server that keeps answering 503 is retried until
     retry_timeout_s, far more than the old 5 attempts, then the error names the budget."""
