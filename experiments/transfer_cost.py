@@ -7,20 +7,20 @@ twice against the inference server through ``RemoteInferenceClient`` + ``AgentLo
 (each turn sends ``routed_experts_prompt_start = trace.prompt_start``) and full re-gather (start 0
 every turn). For T = 1, 2, 4, 8, 16, 32 it reports route rows and bytes received (raw array bytes and
 bytes on the wire, for the binary framing and for JSON+base64), server time gathering the route
-rows off the device and encoding the response, and client decode time; plus full ÷ incremental
-ratios from the same run (expected about (T+1)/2 for rows when every turn adds the same number of
-tokens). Writes experiments/results/transfer_cost.json and transfer_cost.png.
+rows off the device and encoding them, and client decode time; plus full ÷ incremental ratios from
+the same run (expected about (T+1)/2 for rows when every turn adds the same number of tokens).
+Writes experiments/results/transfer_cost.json and transfer_cost.png.
 
-The server is this module started with ``--serve``: the stock ``r3jax serve`` engine and app, with
-timers wrapped around ``Engine._route_rows`` (device → host read of the rows past the start) and
-``schema.output_json`` + the app's JSON dump (encoding), reported at ``GET /timings``.
+Nothing is patched: the server is the stock ``python -m r3jax serve``, and every figure comes from
+published counters read before and after each case. Client side: ``RemoteInferenceClient.stats``
+(``decode_s``, ``route_bytes``, ``body_bytes``). Server side: ``GET /v1/stats`` →
+``routes = {gather_s, encode_s, rows, bytes, responses}``; a server without that block stops the
+script with a message naming the missing keys.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import struct
 import subprocess
 import sys
 import tempfile
@@ -35,35 +35,26 @@ RESULTS_NAME = "transfer_cost"
 QWEN3_30B_ROW_BYTES = 48 * 8 * 1
 
 
-# ---- the instrumented server (subprocess) ----------------------------------------------------
-def _timed(fn, counters: dict, key: str):
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            counters[key] += time.perf_counter() - t0
-            counters[key + "_calls"] += 1
-    return wrapper
+# ---- server side: the stock server and its stats ---------------------------------------------
+SERVER_ROUTE_KEYS = ("gather_s", "encode_s", "rows", "bytes", "responses")
 
 
-def serve_instrumented(argv: list[str]) -> None:
-    from r3jax.serve import app as app_mod
-    from r3jax.serve import schema, server
+def server_routes(url: str) -> dict:
+    """The server's cumulative route counters, ``GET /v1/stats`` → ``routes``: seconds reading route
+    rows off the device (gather) and encoding them, rows and wire bytes sent, responses with routes.
+    A server without them cannot give the server-side columns: stop rather than guess."""
+    import httpx
 
-    args = server.parse_args(argv)
-    engine = server.build_engine(args)
-    counters = {k: 0.0 for k in ("gather_s", "gather_s_calls", "encode_s", "encode_s_calls",
-                                 "dump_s", "dump_s_calls")}
-    engine._route_rows = _timed(engine._route_rows, counters, "gather_s")
-    schema.output_json = _timed(schema.output_json, counters, "encode_s")
-    app_mod._json = _timed(app_mod._json, counters, "dump_s")
-    app = app_mod.create_app(engine, max_wait_s=args.batch_wait_ms / 1000)
-    app.get("/timings")(lambda: dict(counters))
-    sock = server.bind(args.host, args.port)
-    host, port = sock.getsockname()[:2]
-    print(f"r3jax serve: listening on http://{host}:{port}", flush=True)
-    server.serve(app, sock, log_level=args.log_level)
+    stats = httpx.get(url + "/v1/stats", timeout=30).json()
+    routes = stats.get("routes")
+    missing = [k for k in SERVER_ROUTE_KEYS if not isinstance(routes, dict) or k not in routes]
+    if missing:
+        raise SystemExit(f"{url}/v1/stats has no routes.{{{', '.join(missing)}}} (got top-level keys "
+                         f"{sorted(stats)}): this server does not report route gather/encode stats, so the "
+                         "server-side columns of this experiment cannot be measured. Run it against a server "
+                         "that reports \"routes\": {\"gather_s\", \"encode_s\", \"rows\", \"bytes\", "
+                         "\"responses\"} in GET /v1/stats.")
+    return {k: routes[k] for k in SERVER_ROUTE_KEYS}
 
 
 def route_heavy_dir(path) -> str:
@@ -81,12 +72,12 @@ def route_heavy_dir(path) -> str:
 
 
 def start_server(model: str, max_seq_len: int, max_batch_size: int, timeout: float = 900.0):
+    """``python -m r3jax serve`` on a free port; returns (process, url) once ``/health`` is 200."""
     import httpx
 
-    proc = subprocess.Popen([sys.executable, "-m", "experiments.transfer_cost", "--serve", "--model", model,
-                             "--host", "127.0.0.1", "--port", "0", "--max-seq-len", str(max_seq_len),
-                             "--max-batch-size", str(max_batch_size)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "r3jax", "serve", "--model", model, "--host", "127.0.0.1",
+                             "--port", "0", "--max-seq-len", str(max_seq_len), "--max-batch-size",
+                             str(max_batch_size)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline, line = time.monotonic() + timeout, ""
     while "listening on" not in line:
         line = proc.stdout.readline()
@@ -100,75 +91,50 @@ def start_server(model: str, max_seq_len: int, max_batch_size: int, timeout: flo
             if httpx.get(url + "/health", timeout=1.0).status_code == 200:
                 return proc, url
         except httpx.TransportError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
     proc.kill()
     raise RuntimeError("server did not answer /health")
 
 
 # ---- client side -----------------------------------------------------------------------------
-class WireMeter:
-    """Wraps the client's response parser: response bytes, route bytes on the wire, decode time."""
-
-    def __init__(self):
-        from r3jax.serve import protocol
-
-        self.protocol, self.parse = protocol, protocol.parse_response
-        self.reset()
-        protocol.parse_response = self._parse
-
-    def reset(self):
-        self.body_bytes = self.route_bytes = self.responses = 0
-        self.decode_s = 0.0
-
-    def _parse(self, content, media_type, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = self.parse(content, media_type, *args, **kwargs)
-        self.decode_s += time.perf_counter() - t0
-        self.body_bytes += len(content)
-        self.responses += 1
-        if media_type.startswith(self.protocol.BINARY_MEDIA_TYPE):
-            (n,) = struct.unpack_from("<I", content)
-            self.route_bytes += len(content) - 4 - n  # the encode_binary frame
-        else:  # the routed_experts member of the JSON body
-            obj = json.loads(content)
-            rest = json.dumps({**obj, "routed_experts": None}, separators=(",", ":"))
-            self.route_bytes += len(content) - len(rest.encode()) + len("null")
-        return out
-
-    def close(self):
-        self.protocol.parse_response = self.parse
-
-
-def run_case(client, url, meter, turns: int, mode: str, n: int, max_tokens: int,
+def run_case(client, url, turns: int, mode: str, n: int, max_tokens: int,
              max_seq_len: int) -> tuple[dict, list]:
-    import httpx
-
+    """One case: rollouts through ``client``; client counters (``client.stats``) and server counters
+    (``/v1/stats`` routes) read before and after, so each row holds this case's share."""
     from r3jax.rollout import AgentLoop, ArithmeticEnv
 
     loop = AgentLoop(client, lambda: ArithmeticEnv(num_turns=turns), max_turns=turns, max_seq_len=max_seq_len,
                      sampling={"max_tokens": max_tokens, "temperature": 1.0},
                      full_regather=(mode == "full"), seed=0)
-    before = httpx.get(url + "/timings").json()
-    meter.reset()
+    server0, client0 = server_routes(url), client.stats
     t0 = time.perf_counter()
     trajs = loop.run(n, 1, env_seeds=list(range(n)))
     wall = time.perf_counter() - t0
-    after = httpx.get(url + "/timings").json()
-    d = {k: after[k] - before[k] for k in after}
-    assert all(t.num_turns == turns for t in trajs), "every rollout must run exactly T turns"
+    server1, client1 = server_routes(url), client.stats
+    srv = {k: server1[k] - server0[k] for k in SERVER_ROUTE_KEYS}
+    cli = {k: client1[k] - client0[k] for k in client1}
+    if not all(t.num_turns == turns for t in trajs):
+        raise RuntimeError(f"every rollout must run exactly T={turns} turns: got {[t.num_turns for t in trajs]}")
+    if cli["retries"]:
+        raise RuntimeError(f"{cli['retries']} retried requests: server counters would include failed attempts")
+    if srv["rows"] != cli["route_rows"]:
+        raise RuntimeError(f"the server reports {srv['rows']} route rows sent, the client decoded "
+                           f"{cli['route_rows']}: the counters disagree")
     return {
         "T": turns, "mode": mode, "trajectories": n, "tokens": sum(t.num_tokens for t in trajs),
         "rows": sum(t.route_rows for t in trajs), "raw_bytes": sum(t.route_bytes for t in trajs),
-        "wire_route_bytes": meter.route_bytes, "wire_body_bytes": meter.body_bytes,
-        "server_gather_ms": 1e3 * d["gather_s"], "server_encode_ms": 1e3 * (d["encode_s"] + d["dump_s"]),
-        "client_decode_ms": 1e3 * meter.decode_s, "rollout_s": wall,
+        "wire_route_bytes": cli["route_bytes"], "wire_body_bytes": cli["body_bytes"],
+        "server_route_rows": srv["rows"], "server_route_bytes": srv["bytes"],
+        "server_gather_ms": 1e3 * srv["gather_s"], "server_encode_ms": 1e3 * srv["encode_s"],
+        "client_decode_ms": 1e3 * cli["decode_s"], "rollout_s": wall,
     }, trajs
 
 
 def median_row(runs: list[dict]) -> dict:
     """Counts must agree across repeats (same seeds); timings are the median."""
     out = dict(runs[0])
-    for key in ("tokens", "rows", "raw_bytes", "wire_route_bytes"):
+    for key in ("tokens", "rows", "raw_bytes", "wire_route_bytes", "server_route_rows"):
         if len({r[key] for r in runs}) != 1:
             raise RuntimeError(f"{key} differs across repeats: {[r[key] for r in runs]}")
     for key in ("server_gather_ms", "server_encode_ms", "client_decode_ms", "rollout_s"):
@@ -216,35 +182,33 @@ def measure(url: str, model: str, turns: list[int], wires: list[str], n: int, ma
     and full re-gather gave identical tokens and routes."""
     from r3jax.serve.client import RemoteInferenceClient
 
-    meter, results, identical = WireMeter(), [], True
-    try:
-        for wire in wires:
-            with RemoteInferenceClient(url, binary_routes=(wire == "binary")) as client:
-                for t in turns:  # warm-up: compile every program shape before timing
-                    for mode in ("incremental", "full"):
-                        run_case(client, url, meter, t, mode, n, max_tokens, max_seq_len)
-                for t in turns:
-                    pair = {}
-                    for mode in ("incremental", "full"):
-                        runs = [run_case(client, url, meter, t, mode, n, max_tokens, max_seq_len)
-                                for _ in range(repeats)]
-                        row, pair[mode] = median_row([r for r, _ in runs]), runs[0][1]
-                        if model == "tiny":
-                            row["qwen3_30b_bytes_projected"] = row["rows"] * QWEN3_30B_ROW_BYTES
-                        results.append({"wire": wire, **row})
-                        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in results[-1].items()},
-                              flush=True)
-                    both = list(zip(pair["incremental"], pair["full"]))
-                    same_tokens = all(np.array_equal(a.tokens, b.tokens) for a, b in both)
-                    # route rows (same tokens) where the two modes recorded different ids: the rows come
-                    # from different engine programs (decode step vs prefill chunk, other batch shapes)
-                    diff = (sum(int((a.routes != b.routes).any((1, 2)).sum()) for a, b in both)
-                            if same_tokens else None)
-                    for r in results[-2:]:
-                        r["same_tokens_both_modes"], r["route_rows_differing_between_modes"] = same_tokens, diff
-                    identical &= same_tokens and diff == 0
-    finally:
-        meter.close()
+    results, identical = [], True
+    server_routes(url)  # fail at once (before any rollout) if the server lacks route stats
+    for wire in wires:
+        with RemoteInferenceClient(url, binary_routes=(wire == "binary")) as client:
+            for t in turns:  # warm-up: compile every program shape before timing
+                for mode in ("incremental", "full"):
+                    run_case(client, url, t, mode, n, max_tokens, max_seq_len)
+            for t in turns:
+                pair = {}
+                for mode in ("incremental", "full"):
+                    runs = [run_case(client, url, t, mode, n, max_tokens, max_seq_len)
+                            for _ in range(repeats)]
+                    row, pair[mode] = median_row([r for r, _ in runs]), runs[0][1]
+                    if model == "tiny":
+                        row["qwen3_30b_bytes_projected"] = row["rows"] * QWEN3_30B_ROW_BYTES
+                    results.append({"wire": wire, **row})
+                    print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in results[-1].items()},
+                          flush=True)
+                both = list(zip(pair["incremental"], pair["full"]))
+                same_tokens = all(np.array_equal(a.tokens, b.tokens) for a, b in both)
+                # route rows (same tokens) where the two modes recorded different ids: the rows come
+                # from different engine programs (decode step vs prefill chunk, other batch shapes)
+                diff = (sum(int((a.routes != b.routes).any((1, 2)).sum()) for a, b in both)
+                        if same_tokens else None)
+                for r in results[-2:]:
+                    r["same_tokens_both_modes"], r["route_rows_differing_between_modes"] = same_tokens, diff
+                identical &= same_tokens and diff == 0
     return results, identical
 
 
@@ -264,8 +228,6 @@ def ratios_of(results: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--serve":
-        return serve_instrumented(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="T up to 8, 2 trajectories, binary wire only")
     ap.add_argument("--model", default="tiny", choices=["tiny", "route_heavy"],
@@ -295,8 +257,9 @@ def main(argv: list[str] | None = None) -> None:
             proc.wait(timeout=60)
 
     ratios = ratios_of(results)
-    cols = ["wire", "T", "mode", "tokens", "rows", "raw_bytes", "wire_route_bytes", "server_gather_ms",
-            "server_encode_ms", "client_decode_ms", "rollout_s", "route_rows_differing_between_modes"]
+    cols = ["wire", "T", "mode", "tokens", "rows", "raw_bytes", "wire_route_bytes", "server_route_bytes",
+            "server_gather_ms", "server_encode_ms", "client_decode_ms", "rollout_s",
+            "route_rows_differing_between_modes"]
     cols += ["qwen3_30b_bytes_projected"] if args.model == "tiny" else []
     row_bytes = results[0]["raw_bytes"] // max(results[0]["rows"], 1)
     print(f"\n{n} trajectories per case, model {args.model} ({row_bytes} bytes per route row), <= "

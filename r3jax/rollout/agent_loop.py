@@ -1,210 +1,29 @@
 """The multi-turn agent loop: many trajectories in flight, routes gathered incrementally.
 
-Every turn of a trajectory sends the whole conversation with ``routed_experts_prompt_start =
-trace.prompt_start``, so the generator returns only the route rows it has not sent before and the
-trajectory's :class:`RoutedExpertTrace` grows by exactly those rows: every token's routes cross the
-wire once, O(N) in total instead of O(N^2) (DESIGN.md §1). ``full_regather=True`` sends start 0 and
-keeps only the last turn's rows: the baseline for experiments and tests.
-
-Against the in-process engine (a plain ``generate``), the turns of all live trajectories go in one
-batch per round. Against :class:`RemoteInferenceClient` (``agenerate``), each trajectory is an
-asyncio task and at most ``max_concurrency`` requests are in flight; the server batches them.
+:class:`AgentLoop` holds the settings and picks a driver; the pieces live in their own modules:
+an :class:`~r3jax.rollout.episode.Episode` is one trajectory in flight (requests, the growing
+trace, the environment); :mod:`~r3jax.rollout.batched` drives episodes against the in-process
+engine (the turns of all live trajectories in one batch per round); :mod:`~r3jax.rollout.concurrent`
+drives them against ``RemoteInferenceClient.agenerate`` (each trajectory an asyncio task, at most
+``max_concurrency`` requests in flight; the server batches them); :mod:`~r3jax.rollout.demonstrations`
+plays the environment's oracle for supervised warm-up data.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Any, Callable, Sequence
 
-import numpy as np
+from r3jax.rollout.batched import drive_batched, generate_in_chunks
+from r3jax.rollout.concurrent import drive_concurrently
+from r3jax.rollout.demonstrations import oracle_generate
+from r3jax.rollout.env import Env
+from r3jax.rollout.episode import Episode, MissingRoutesError
+from r3jax.rollout.model_info import describe
+from r3jax.rollout.sampling import SamplingParams, request_seed
+from r3jax.rollout.trajectory import Trajectory
 
-from r3jax.engine import GenerateRequest
-from r3jax.rollout.env import Env, FullPrompt, check_prefix
-from r3jax.rollout.trajectory import Trajectory, TurnStats
-from r3jax.routes import route_dtype, uncaptured_rows
-from r3jax.trace import RoutedExpertTrace
-
-
-class MissingRoutesError(ValueError):
-    """The generator returned no (or misplaced) routes although they were asked for."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """Per-turn sampling. ``stop_token_ids=None`` takes the environment's ``stop_token_ids``."""
-
-    max_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop_token_ids: tuple[int, ...] | None = None
-
-    def __post_init__(self):
-        mt = self.max_tokens
-        if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
-            raise ValueError(f"sampling.max_tokens={mt!r}: expected an int >= 1")
-
-
-def describe(generator: Any) -> dict:
-    """``num_experts, top_k, moe_layer_ids, vocab_size, max_seq_len`` of an engine or a client."""
-    if callable(getattr(generator, "model_info", None)):
-        info = dict(generator.model_info())
-    elif hasattr(generator, "config"):
-        cfg = generator.config
-        info = {"num_experts": cfg.num_experts, "top_k": cfg.top_k, "vocab_size": cfg.vocab_size,
-                "moe_layer_ids": list(generator.moe_layer_ids), "max_seq_len": generator.max_seq_len}
-    else:
-        raise ValueError(f"generator: {type(generator).__name__} has neither model_info() nor "
-                         f"config; expected an Engine or a RemoteInferenceClient")
-    missing = [k for k in ("num_experts", "top_k", "moe_layer_ids", "vocab_size", "max_seq_len")
-               if k not in info]
-    if missing:
-        raise ValueError(f"generator model info lacks {missing}")
-    info["moe_layer_ids"] = tuple(int(i) for i in info["moe_layer_ids"])
-    return info
-
-
-def _seed(*parts: int) -> int:
-    """A request/env seed in [0, 2**31) from a tuple of ints (stable across runs and batchings)."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] >> 1)
-
-
-class _Rollout:
-    """One trajectory in flight: ``request()`` → generator → ``consume(output)``, until ``finished``."""
-
-    def __init__(self, loop: "AgentLoop", group: int, sample: int, env_seed: int, with_routes: bool):
-        self.loop, self.group, self.sample, self.env_seed = loop, group, sample, env_seed
-        self.with_routes = with_routes
-        self.env: Env = loop.env_factory()
-        prompt = [int(t) for t in self.env.reset(env_seed)]
-        self._check_tokens(prompt, "reset")
-        if not 0 < len(prompt) < loop.max_seq_len:
-            raise ValueError(f"env.reset({env_seed}) gave a prompt of {len(prompt)} tokens: expected "
-                             f"1 .. max_seq_len - 1 = {loop.max_seq_len - 1}")
-        stops = loop.sampling.stop_token_ids
-        self.stops = tuple(getattr(self.env, "stop_token_ids", ()) if stops is None else stops)
-        self.eos = getattr(self.env, "eos_id", self.stops[0] if self.stops else None)
-        self.prompt_len = len(prompt)
-        self.tokens, self.loss, self.logp = prompt, [0.0] * len(prompt), [0.0] * len(prompt)
-        self.trace = RoutedExpertTrace(loop.info["moe_layer_ids"])
-        self.turns: list[TurnStats] = []
-        self.rewards: list[float] = []
-        self.finish_reason: str | None = None
-        self._start = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def _where(self) -> str:
-        return f"turn {len(self.turns)} of trajectory (group {self.group}, sample {self.sample})"
-
-    def _check_tokens(self, tokens: Sequence[int], what: str) -> None:
-        v = self.loop.info["vocab_size"]
-        bad = [t for t in tokens if not 0 <= t < v]
-        if bad:
-            raise ValueError(f"env.{what} returned token id {bad[0]}: expected ids in [0, vocab_size={v})")
-
-    def request(self) -> GenerateRequest:
-        loop = self.loop
-        self._start = 0 if loop.full_regather else self.trace.prompt_start
-        room = loop.max_seq_len - len(self.tokens)
-        s = loop.sampling
-        return GenerateRequest(
-            prompt_ids=list(self.tokens), max_tokens=min(s.max_tokens, room),
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-            seed=_seed(loop.seed, self.group, self.sample, len(self.turns)),
-            stop_token_ids=self.stops, return_logprobs=True,
-            return_routed_experts=self.with_routes,
-            routed_experts_prompt_start=self._start,
-            session_id=f"{loop.session_prefix}-{self.group}-{self.sample}")
-
-    def _record(self, out: Any, p: int, g: int) -> tuple[int, int]:
-        """Append this call's rows to the trace; returns (rows, bytes) received."""
-        if not self.with_routes:
-            return 0, 0
-        routes = out.routed_experts
-        if routes is None:
-            raise MissingRoutesError(f"{self._where()}: the generator returned no routed_experts "
-                                     f"although return_routed_experts=True")
-        start = getattr(out, "routed_experts_start", self._start)
-        if start != self._start:
-            raise MissingRoutesError(f"{self._where()}: routes start at row {start}, expected "
-                                     f"routed_experts_prompt_start={self._start}")
-        routes = np.asarray(routes)
-        base = RoutedExpertTrace(self.trace.moe_layer_ids) if self.loop.full_regather else self.trace
-        self.trace = base.record(prompt_len=p, generated_len=g, routes=routes)
-        return int(routes.shape[0]), int(routes.nbytes)
-
-    def consume(self, out: Any) -> None:
-        loop, p = self.loop, len(self.tokens)
-        ids = [int(t) for t in out.output_ids]
-        g = len(ids)
-        if g == 0:
-            raise ValueError(f"{self._where()}: the generator returned no tokens")
-        logprobs = out.logprobs
-        if logprobs is None or len(logprobs) != g:
-            raise ValueError(f"{self._where()}: {0 if logprobs is None else len(logprobs)} logprobs "
-                             f"for {g} generated tokens")
-        rows, nbytes = self._record(out, p, g)
-        self.tokens += ids
-        self.loss += [1.0] * g
-        self.logp += [float(x) for x in logprobs]
-        synthetic = (ids[-1] not in self.stops and self.eos is not None
-                     and len(self.tokens) < loop.max_seq_len)
-        if synthetic:  # close the cut-off turn so the next prompt keeps the chat format
-            self.tokens.append(int(self.eos))
-            self.loss.append(0.0)
-            self.logp.append(0.0)
-        obs, reward, done = self.env.step(ids)
-        self.rewards.append(float(reward))
-        appended = 0
-        if done:
-            self.finish_reason = "done"
-        elif len(self.turns) + 1 >= loop.max_turns:
-            self.finish_reason = "max_turns"
-        else:
-            if isinstance(obs, FullPrompt):
-                check_prefix(self.tokens, obs.tokens, self.trace.prompt_start)
-                new = list(obs.tokens[len(self.tokens):])
-            else:
-                new = [int(t) for t in obs]
-            self._check_tokens(new, "step")
-            # The next turn needs room for the observation and at least one generated token.
-            if len(self.tokens) + len(new) >= loop.max_seq_len:
-                self.finish_reason = "max_seq_len"
-            else:
-                self.tokens += new
-                self.loss += [0.0] * len(new)
-                self.logp += [0.0] * len(new)
-                appended = len(new)
-        self.turns.append(TurnStats(
-            routes_start=self._start, route_rows=rows, route_bytes=nbytes, prompt_tokens=p,
-            cached_tokens=int(getattr(out, "cached_tokens", 0) or 0), generated_tokens=g,
-            observation_tokens=appended, finish_reason=str(out.finish_reason),
-            weight_version=int(getattr(out, "weight_version", 0) or 0), reward=float(reward),
-            synthetic_eos=synthetic))
-
-    def result(self) -> Trajectory:
-        info, n, p0 = self.loop.info, len(self.tokens), self.prompt_len
-        loss = np.asarray(self.loss, np.float32)
-        if self.with_routes:
-            routes, captured = self.trace.finalize(token_count=n, loss_mask=loss)
-        else:  # rows the trainer must route live: captured False, filled with 0..K-1
-            k, num_layers = info["top_k"], len(info["moe_layer_ids"])
-            routes = uncaptured_rows(n, num_layers, k, route_dtype(info["num_experts"])).copy()
-            captured = np.zeros(n, bool)
-        versions = [t.weight_version for t in self.turns]
-        return Trajectory(
-            prompt_ids=np.asarray(self.tokens[:p0], np.int32),
-            response_ids=np.asarray(self.tokens[p0:], np.int32),
-            response_loss_mask=loss[p0:], response_logprobs=np.asarray(self.logp[p0:], np.float32),
-            routes=routes, captured=captured, reward=float(sum(self.rewards)),
-            turn_rewards=tuple(self.rewards), turns=tuple(self.turns), weight_version=versions[0],
-            weight_version_changed=len(set(versions)) > 1, finish_reason=self.finish_reason,
-            group=self.group, sample=self.sample, env_seed=self.env_seed,
-            moe_layer_ids=tuple(info["moe_layer_ids"]))
+__all__ = ["AgentLoop", "MissingRoutesError", "SamplingParams", "describe"]
 
 
 class AgentLoop:
@@ -254,8 +73,8 @@ class AgentLoop:
             self._info = info
         return self._info
 
-    def _rollouts(self, n_prompts: int, samples_per_prompt: int, env_seeds,
-                  with_routes: bool) -> list[_Rollout]:
+    def _episodes(self, n_prompts: int, samples_per_prompt: int, env_seeds,
+                  with_routes: bool) -> list[Episode]:
         for name, v in (("n_prompts", n_prompts), ("samples_per_prompt", samples_per_prompt)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r}: expected an int >= 1")
@@ -263,9 +82,9 @@ class AgentLoop:
             raise ValueError(f"env_seeds has {len(env_seeds)} seeds: expected n_prompts={n_prompts}")
         groups = range(self._next_group, self._next_group + n_prompts)
         self._next_group += n_prompts
-        seeds = env_seeds if env_seeds is not None else [_seed(self.seed, 1 << 30, g) for g in groups]
+        seeds = env_seeds if env_seeds is not None else [request_seed(self.seed, 1 << 30, g) for g in groups]
         self.info  # fetch (and check) before building environments
-        return [_Rollout(self, g, s, int(es), with_routes) for g, es in zip(groups, seeds)
+        return [Episode(self, g, s, int(es), with_routes) for g, es in zip(groups, seeds)
                 for s in range(samples_per_prompt)]
 
     def run(self, n_prompts: int, samples_per_prompt: int = 1, *,
@@ -278,9 +97,28 @@ class AgentLoop:
             if self._aio is None or self._aio.is_closed():
                 self._aio = asyncio.new_event_loop()
             return self._aio.run_until_complete(self.arun(n_prompts, samples_per_prompt, env_seeds=env_seeds))
-        rollouts = self._rollouts(n_prompts, samples_per_prompt, env_seeds, self.return_routed_experts)
-        self._drive_batched(rollouts, self._generate_batched)
-        return [r.result() for r in rollouts]
+        episodes = self._episodes(n_prompts, samples_per_prompt, env_seeds, self.return_routed_experts)
+        drive_batched(episodes, lambda live, requests: generate_in_chunks(self.generator, requests))
+        return [e.result() for e in episodes]
+
+    async def arun(self, n_prompts: int, samples_per_prompt: int = 1, *,
+                   env_seeds: Sequence[int] | None = None) -> list[Trajectory]:
+        """:meth:`run` from inside an event loop (requires ``agenerate``)."""
+        if not hasattr(self.generator, "agenerate"):
+            raise ValueError(f"arun: generator {type(self.generator).__name__} has no agenerate")
+        if self._info is None:
+            self._info = await asyncio.to_thread(lambda: self.info)
+        episodes = self._episodes(n_prompts, samples_per_prompt, env_seeds, self.return_routed_experts)
+        await drive_concurrently(episodes, self.generator.agenerate, self.max_concurrency)
+        return [e.result() for e in episodes]
+
+    def demonstrations(self, n_prompts: int, *, env_seeds: Sequence[int] | None = None) -> list[Trajectory]:
+        """Oracle trajectories for a supervised warm-up: each turn's action is the environment's
+        ``reference_action()`` (cut at ``max_tokens``), in the same token format as :meth:`run`.
+        ``loss_mask`` is 1 on the oracle's tokens; logprobs are 0 and no routes are captured."""
+        episodes = self._episodes(n_prompts, 1, env_seeds, with_routes=False)
+        drive_batched(episodes, oracle_generate)
+        return [e.result() for e in episodes]
 
     def close(self) -> None:
         """Close the event loop :meth:`run` uses in async mode, and the generator's connections
@@ -295,81 +133,3 @@ class AgentLoop:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    async def arun(self, n_prompts: int, samples_per_prompt: int = 1, *,
-                   env_seeds: Sequence[int] | None = None) -> list[Trajectory]:
-        """:meth:`run` from inside an event loop (requires ``agenerate``)."""
-        if not hasattr(self.generator, "agenerate"):
-            raise ValueError(f"arun: generator {type(self.generator).__name__} has no agenerate")
-        if self._info is None:
-            self._info = await asyncio.to_thread(lambda: self.info)
-        rollouts = self._rollouts(n_prompts, samples_per_prompt, env_seeds, self.return_routed_experts)
-        sem = asyncio.Semaphore(self.max_concurrency)
-
-        async def drive(r: _Rollout) -> None:
-            while not r.finished:
-                req = r.request()
-                async with sem:
-                    outs = await self.generator.agenerate([req])
-                if len(outs) != 1:
-                    raise ValueError(f"generator returned {len(outs)} outputs for 1 request")
-                r.consume(outs[0])
-
-        tasks = [asyncio.create_task(drive(r)) for r in rollouts]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-        return [r.result() for r in rollouts]
-
-    def _generate_batched(self, rollouts: list[_Rollout], requests: list[GenerateRequest]) -> list:
-        size = getattr(self.generator, "max_batch_size", None) or len(requests)
-        outs = []
-        for i in range(0, len(requests), size):
-            chunk = requests[i:i + size]
-            got = list(self.generator.generate(chunk))
-            if len(got) != len(chunk):
-                raise ValueError(f"generator returned {len(got)} outputs for {len(chunk)} requests")
-            outs += got
-        return outs
-
-    @staticmethod
-    def _drive_batched(rollouts: list[_Rollout], generate) -> None:
-        live = [r for r in rollouts if not r.finished]
-        while live:
-            requests = [r.request() for r in live]
-            for r, out in zip(live, generate(live, requests)):
-                r.consume(out)
-            live = [r for r in live if not r.finished]
-
-    def demonstrations(self, n_prompts: int, *, env_seeds: Sequence[int] | None = None) -> list[Trajectory]:
-        """Oracle trajectories for a supervised warm-up: each turn's action is the environment's
-        ``reference_action()`` (cut at ``max_tokens``), in the same token format as :meth:`run`.
-        ``loss_mask`` is 1 on the oracle's tokens; logprobs are 0 and no routes are captured."""
-        rollouts = self._rollouts(n_prompts, 1, env_seeds, with_routes=False)
-
-        def oracle(live, requests):
-            outs = []
-            for r, q in zip(live, requests):
-                ids = [int(t) for t in r.env.reference_action()][:q.max_tokens]
-                stop = next((j for j, t in enumerate(ids) if t in q.stop_token_ids), None)
-                ids = ids if stop is None else ids[:stop + 1]
-                outs.append(_Output(ids, [0.0] * len(ids), "length" if stop is None else "stop"))
-            return outs
-
-        self._drive_batched(rollouts, oracle)
-        return [r.result() for r in rollouts]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Output:
-    output_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    routed_experts: None = None
-    cached_tokens: int = 0
-    weight_version: int = 0
-

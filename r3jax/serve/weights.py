@@ -3,9 +3,11 @@ for ``POST /v1/weights``.
 
 ``--model`` accepts a preset name (``tiny``, ``small_100m``; random init from ``--seed``), a Hugging
 Face directory (``config.json`` + ``*.safetensors``, read by ``models.hf.load_pretrained``) or an orbax
-params directory written by ``r3jax.train.export_params``. An orbax params directory holds no config:
-it is taken from ``--config`` (a preset name or a Hugging Face directory), else from a ``config.json``
-(Hugging Face form, ``models.hf.config_to_hf``) inside the orbax directory.
+params directory written by ``r3jax.params_io.export_params`` (also ``r3jax.train.export_params``).
+An orbax params directory holds no config: it is taken from ``--config`` (a preset name or a Hugging
+Face directory), else from a ``config.json`` (Hugging Face form, ``models.hf.config_to_hf``) inside
+the orbax directory. Params files are read by :mod:`r3jax.params_io`: the server never imports the
+trainer.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def build_model(spec: str, *, config: str | None = None, seed: int = 0, dtype=No
 
     from models import MoeTransformer
     from models.hf import load_pretrained
-    from r3jax.train.weight_sync import load_params
+    from r3jax.params_io import load_params
 
     path = Path(spec)
     if not path.exists():
@@ -91,7 +93,7 @@ def load_state(path: str, fmt: str, engine: Any):
     from flax import nnx
 
     from models.hf import load_pretrained
-    from r3jax.train.weight_sync import load_params
+    from r3jax.params_io import load_params
 
     cfg, p = engine.config, Path(path)
     if not p.is_dir():

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from r3jax.engine import GenerateOutput, GenerateRequest
+from r3jax.routes import encode_binary
 from r3jax.serve import ProtocolError, RemoteError, RemoteInferenceClient, RemoteInputError, create_app
 
 REQ = GenerateRequest([1, 2, 3], max_tokens=3, return_routed_experts=True, routed_experts_prompt_start=1)
@@ -25,22 +26,26 @@ def fast(urls, **kw):
 
 
 class Flaky:
-    """ASGI wrapper: answer the first ``n`` POST /v1/generate with ``status``; count the POSTs."""
+    """ASGI wrapper: answer the first ``n`` POST /v1/generate with ``status`` (and ``headers``);
+    count the POSTs."""
 
-    def __init__(self, app, n, status):
-        self.app, self.n, self.status, self.posts = app, n, status, 0
+    def __init__(self, app, n, status, headers=None):
+        self.app, self.n, self.status, self.posts, self.headers = app, n, status, 0, headers
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] == "/v1/generate":
             self.posts += 1
             if self.posts <= self.n:
                 body = json.dumps({"error": "x", "detail": f"injected {self.status}"}).encode()
-                return await Response(body, self.status, media_type="application/json")(scope, receive, send)
+                return await Response(body, self.status, self.headers, media_type="application/json")(
+                    scope, receive, send)
         await self.app(scope, receive, send)
 
 
-@pytest.mark.parametrize("status,n,fails", [(503, 3, None), (502, 1, None), (500, 1, RemoteError),
-                                            (422, 1, RemoteInputError), (503, 9, RemoteError)])
+@pytest.mark.parametrize("status,n,fails", [(503, 3, None), (502, 1, None), (504, 1, None), (408, 1, None),
+                                            (429, 2, None), (500, 1, RemoteError), (422, 1, RemoteInputError),
+                                            (400, 1, RemoteInputError), (404, 1, RemoteInputError),
+                                            (503, 9, RemoteError)])
 def test_retry_policy(serve_helpers, status, n, fails):
     engine = serve_helpers.FakeEngine()
     app = Flaky(create_app(engine), n, status)
@@ -52,6 +57,66 @@ def test_retry_policy(serve_helpers, status, n, fails):
             with pytest.raises(fails, match=f"{status}|after 5 attempts"):
                 client.generate([REQ])
             assert app.posts == (5 if status == 503 else 1)  # 503: 1 + max_retries; others: never retried
+            assert client.stats["failed"] == 1 and client.stats["requests"] == 0
+
+
+def test_503_retry_after_is_honoured(serve_helpers):
+    """A warming-up / draining server answers 503 with Retry-After: the client waits that long
+    (not its own 1-10 ms backoff) and the request then succeeds."""
+    app = Flaky(create_app(serve_helpers.FakeEngine()), 2, 503, {"Retry-After": "0.2"})
+    with serve_helpers.thread_server(app) as srv, fast(srv.url) as client:
+        [out] = client.generate([REQ])
+        assert out.output_ids == [6, 7, 8] and app.posts == 3
+        s = client.stats
+        assert (s["requests"], s["attempts"], s["retries"]) == (1, 3, 2)
+        assert 0.4 <= s["retry_wait_s"] < 0.45  # two waits of Retry-After (0.2 s), each plus nothing
+    # a Retry-After past the budget ends the request at once, saying why
+    app = Flaky(create_app(serve_helpers.FakeEngine()), 9, 503, {"Retry-After": "30"})
+    with serve_helpers.thread_server(app) as srv, fast(srv.url, retry_timeout_s=5.0) as client:
+        with pytest.raises(RemoteError, match="server asked to retry after 30 s"):
+            client.generate([REQ])
+        assert app.posts == 1 and client.stats["retry_wait_s"] == 0.0
+
+
+def test_retry_after_of_one_replica_does_not_hold_the_request_when_another_is_live(serve_helpers):
+    busy = Flaky(create_app(serve_helpers.FakeEngine()), 10**6, 503, {"Retry-After": "30"})
+    with serve_helpers.thread_server(busy) as a, serve_helpers.thread_server(create_app(serve_helpers.FakeEngine())) as b, \
+            fast([a.url, b.url]) as client:
+        outs = client.generate([GenerateRequest([1, 2], max_tokens=1, session_id=f"s{i}") for i in range(8)])
+        assert len(outs) == 8 and 1 <= busy.posts <= 8  # sessions hashed to A moved to B at once...
+        assert client.stats["retries"] == busy.posts and client.stats["retry_wait_s"] < 1.0  # ...without waiting 30 s
+        assert client.health() == {a.url: True, b.url: True}  # A answers /health: back in rotation for later
+
+
+def test_retry_budget_is_a_time(serve_helpers):
+    """No count limit by default: a server that keeps answering 503 is retried until
+    retry_timeout_s, far more than the old 5 attempts, then the error names the budget."""
+    app = Flaky(create_app(serve_helpers.FakeEngine()), 10**6, 503)
+    with serve_helpers.thread_server(app) as srv, fast(srv.url, retry_timeout_s=0.5) as client:
+        with pytest.raises(RemoteError, match=r"attempts in 0\.\d s \(retry_timeout_s=0\.5\): .*HTTP 503"):
+            client.generate([REQ])
+        assert app.posts > 5 and client.stats["attempts"] == app.posts
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_stats_count_requests_bytes_and_decode_time(serve_helpers, binary):
+    from r3jax.serve.protocol import request_body
+
+    with serve_helpers.thread_server(create_app(serve_helpers.FakeEngine())) as srv, \
+            fast(srv.url, binary_routes=binary) as client:
+        outs = client.generate([REQ, REQ, GenerateRequest([1, 2], max_tokens=2)])
+        s = client.stats
+        # REQ: P - s + G - 1 = 4 rows of [L=2, K=2] uint8 = 16 raw bytes; the third asks for no routes
+        assert (s["requests"], s["attempts"], s["retries"], s["responses"], s["route_rows"]) == (3, 3, 0, 3, 8)
+        if binary:  # the frame: its header (48 bytes here) and the 16 raw bytes
+            frame = encode_binary(outs[0].routed_experts, 1, [0, 1])
+            assert len(frame) == 48 + 16 and s["route_bytes"] == 2 * len(frame)
+        else:  # the routed_experts JSON value, as the server wrote it
+            body = httpx.post(srv.url + "/v1/generate", json=request_body(REQ)).json()
+            member = json.dumps(body["routed_experts"], separators=(",", ":"))
+            assert s["route_bytes"] == 2 * len(member)
+        assert s["body_bytes"] > s["route_bytes"] and s["decode_s"] > 0 and s["request_s"] >= s["decode_s"]
+        assert [o.routed_experts is None for o in outs] == [False, False, True]
 
 
 class BadEngine:

@@ -1,6 +1,7 @@
 """Real servers in subprocesses (``python -m r3jax serve --model tiny``): 64 concurrent requests
-equal the same requests sent alone; SIGKILL mid-run and a restart lose and duplicate nothing; two
-replicas keep sessions sticky so the prefix cache hits; SIGTERM exits cleanly.
+equal the same requests sent alone; SIGKILL mid-run and a restart lose and duplicate nothing, and a
+request sent while its only server is down completes once it is back, with the client's default
+retry budget; two replicas keep sessions sticky so the prefix cache hits; SIGTERM exits cleanly.
 
 The server processes share a persistent JAX compilation cache (in pytest's cache directory, used by
 these server processes only), so a restarted server does not recompile."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 
 import httpx
 import numpy as np
@@ -80,8 +82,7 @@ def test_kill_mid_run_and_restart_loses_and_duplicates_nothing(cluster, alone, s
     url = cluster["a"]
     proc, port = cluster["procs"]["a"]
     result = {}
-    with RemoteInferenceClient(url, max_concurrency=2, max_retries=400, backoff_s=0.01, max_backoff_s=0.2,
-                               health_interval_s=0.05, timeout=30) as client:
+    with RemoteInferenceClient(url, max_concurrency=2) as client:  # the default retry budget
         base = httpx.get(url + "/v1/stats").json()["requests"]
         run = threading.Thread(target=lambda: result.setdefault("outs", client.generate(requests_(64))))
         run.start()
@@ -93,9 +94,34 @@ def test_kill_mid_run_and_restart_loses_and_duplicates_nothing(cluster, alone, s
         cluster["start"]("a", port)  # same port; the client retries until it answers again
         run.join(300)
         assert not run.is_alive()
-        assert client.retries >= 1
+        assert client.retries >= 1 and client.stats["failed"] == 0 and client.stats["requests"] == 64
     assert_same(result["outs"], alone)  # one output per request, in order, each the right one
     assert httpx.get(url + "/v1/stats").json()["requests"] <= 64  # the restarted server saw only the rest
+
+
+def test_request_survives_its_only_server_being_killed_and_restarted(cluster, alone):
+    """Default client settings. The server is SIGKILLed, a request is sent while it is down, and it
+    is restarted on the same port only after the client has retried more than the old budget (5
+    retries, ~1.5 s of backoff) allowed: the request completes with the right answer."""
+    url = cluster["a"]
+    proc, port = cluster["procs"]["a"]
+    request = requests_(1)
+    result = {}
+    with RemoteInferenceClient(url) as client:
+        assert_same(client.generate(request), alone[:1])  # connected, model info cached
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        run = threading.Thread(target=lambda: result.setdefault("outs", client.generate(request)))
+        run.start()
+        while client.retries <= 5 and run.is_alive():
+            time.sleep(0.05)
+        assert run.is_alive(), "the request ended while its only server was down"
+        cluster["start"]("a", port)  # start + warm-up; the client keeps retrying meanwhile
+        run.join(120)
+        assert not run.is_alive()
+        s = client.stats
+    assert_same(result["outs"], alone[:1])
+    assert s["requests"] == 2 and s["failed"] == 0 and s["retries"] > 5
 
 
 def test_two_replicas_sticky_sessions_hit_the_prefix_cache(cluster):

@@ -1,7 +1,13 @@
-"""Weight sync: standalone params export/load, the remote POST /v1/weights contract, and the
-in-process engine handoff with weight_version recorded on new rollouts."""
+"""Weight sync: standalone params export/load (``r3jax.params_io``, also under ``r3jax.train``), the
+remote POST /v1/weights contract, and the in-process engine handoff with weight_version recorded on
+new rollouts."""
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import jax
@@ -10,7 +16,9 @@ import pytest
 from flax import nnx
 
 import models
-from r3jax import train
+from r3jax import params_io, train
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _same(a, b):
@@ -32,6 +40,56 @@ def test_export_and_load_params_round_trip(tiny, tx, tmp_path):
         train.load_params(path, wrong)
     with pytest.raises(ValueError, match=r"expected an orbax params directory"):
         train.load_params(tmp_path / "missing", other)
+
+
+def test_train_and_params_io_share_one_implementation():
+    assert train.export_params is params_io.export_params and train.load_params is params_io.load_params
+
+
+def test_load_params_refuses_directories_without_params_metadata(tiny, tmp_path):
+    """orbax reports no item metadata (and logs a warning) for a directory without a readable
+    ``_METADATA``: that, and only that, is "not an orbax params directory"."""
+    cfg, model = tiny
+    path = train.export_params(tmp_path / "w", model)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    shutil.copytree(path, tmp_path / "garbled")
+    (tmp_path / "garbled" / "_METADATA").write_text("not json {")
+    target = models.MoeTransformer(cfg, rngs=nnx.Rngs(3))
+    for name in ("empty", "hf", "garbled"):
+        with pytest.raises(ValueError, match=r"expected an orbax params directory written by export_params "
+                                             r"\(no readable orbax item metadata there\)"):
+            params_io.load_params(tmp_path / name, target)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's orphaned read futures
+def test_load_params_lets_read_errors_through(tiny, tmp_path):
+    """Metadata fine, array data gone: orbax's own read error propagates, not dressed up as a
+    'not a params directory' ValueError."""
+    cfg, model = tiny
+    path = train.export_params(tmp_path / "w", model)
+    for f in path.iterdir():
+        if f.name.startswith("ocdbt.process_"):
+            shutil.rmtree(f)
+    with pytest.raises(Exception) as err:
+        params_io.load_params(path, models.MoeTransformer(cfg, rngs=nnx.Rngs(3)))
+    assert "expected an orbax params directory" not in str(err.value)
+    assert "reading array" in str(err.value)
+
+
+def test_serve_reads_params_files_without_importing_the_trainer(tiny, tmp_path):
+    """``python -m r3jax serve --model ORBAX_DIR`` and ``POST /v1/weights`` go through
+    ``r3jax.serve.weights``: it must not pull in ``r3jax.train``."""
+    _, model = tiny
+    path = train.export_params(tmp_path / "w", model)
+    code = (f"import sys; from r3jax.serve import weights; m = weights.build_model({str(path)!r}, config='tiny'); "
+            "bad = sorted(n for n in sys.modules if n.startswith('r3jax.train')); "
+            "assert not bad, bad; print('ok', type(m).__name__)")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), "XLA_FLAGS": ""}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "ok MoeTransformer" in proc.stdout, proc.stderr[-2000:]
 
 
 def test_push_to_server_posts_the_export_and_returns_the_version(tiny, tmp_path):
