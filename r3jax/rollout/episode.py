@@ -86,7 +86,7 @@ class Episode:
         if routes is None:
             raise MissingRoutesError(f"{self._where()}: the generator returned no routed_experts "
                                      f"although return_routed_experts=True")
-        start = getattr(out, "routed_experts_start", self._start)
+        start = out.routed_experts_start
         if start != self._start:
             raise MissingRoutesError(f"{self._where()}: routes start at row {start}, expected "
                                      f"routed_experts_prompt_start={self._start}")
@@ -139,9 +139,9 @@ class Episode:
                 appended = len(new)
         self.turns.append(TurnStats(
             routes_start=self._start, route_rows=rows, route_bytes=nbytes, prompt_tokens=p,
-            cached_tokens=int(getattr(out, "cached_tokens", 0) or 0), generated_tokens=g,
+            cached_tokens=int(out.cached_tokens), generated_tokens=g,
             observation_tokens=appended, finish_reason=str(out.finish_reason),
-            weight_version=int(getattr(out, "weight_version", 0) or 0), reward=float(reward),
+            weight_version=int(out.weight_version), reward=float(reward),
             synthetic_eos=synthetic))
 
     def result(self) -> Trajectory:

@@ -220,7 +220,7 @@ def test_sglang_protocol(serve_helpers):
         return {"text": "", "output_ids": out, "meta_info": {
             "output_token_logprobs": [[-0.25 * t, tok, None] for t, tok in enumerate(out)],
             "finish_reason": {"type": "length"}, "prompt_tokens": p, "cached_tokens": 1,
-            "routed_experts": base64.b64encode(rows.tobytes()).decode()}}
+            "weight_version": "3", "routed_experts": base64.b64encode(rows.tobytes()).decode()}}
 
     info = {"num_experts": 8, "top_k": 2, "moe_layer_ids": [1, 2]}
     with serve_helpers.thread_server(app) as srv, fast(srv.url, protocol="sglang", model_info=info) as client:
@@ -229,7 +229,7 @@ def test_sglang_protocol(serve_helpers):
         [out] = client.generate([req])
         full = np.arange(6 * 4, dtype=np.int32).reshape(6, 2, 2) % 8
         np.testing.assert_array_equal(out.routed_experts, full[2:])
-        assert out.routed_experts.dtype == np.uint8 and out.routed_experts_start == 2
+        assert out.routed_experts.dtype == np.uint8 and out.routed_experts_start == 2 and out.weight_version == 3
         assert (out.output_ids, out.logprobs, out.finish_reason, out.cached_tokens) == ([10, 11, 12], [0.0, -0.25, -0.5],
                                                                                          "length", 1)
         assert seen[0]["input_ids"] == [5, 6, 7, 8] and seen[0]["return_routed_experts"] is True
