@@ -1,12 +1,12 @@
-"""Smoke tests of the main job: both rollout paths write metrics, checkpoints and plots; --resume
-continues from the saved step."""
+"""Smoke tests of the main job (``python -m r3jax demo``): both rollout paths write metrics,
+checkpoints and plots; --resume continues from the saved step."""
 
 import json
 import shutil
 
 import pytest
 
-from experiments.train_multiturn import main
+from r3jax.demo import main
 
 SMALL = ["--steps", "2", "--prompts", "2", "--samples", "2", "--warmup-steps", "2", "--max-turns", "2",
          "--max-tokens", "3", "--max-seq-len", "64", "--save-every", "1", "--no-progress"]
