@@ -3,7 +3,8 @@ checkpoints and ``metrics.jsonl``.
 
 Resume rules: ``--resume`` restores the newest readable checkpoint and keeps the log lines up to its
 step (the steps after it are re-run). With nothing to resume it says so and starts fresh. A fresh
-start never truncates an existing log: the old one is kept as ``metrics.jsonl.<n>``. A checkpoint of
+start never truncates an existing log nor writes among an earlier run's checkpoints: they are kept
+as ``metrics.jsonl.<n>`` and ``ckpt.<n>``. A checkpoint of
 a different training state raises (CheckpointMismatchError) before any file is touched; a failed
 checkpoint write raises (CheckpointWriteError) at the next step.
 """
@@ -67,8 +68,9 @@ def _read_lines(path: Path) -> list[str]:
 
 
 def _keep_aside(path: Path) -> Path | None:
-    """Rename an existing non-empty log to ``<name>.<n>`` (first free n); returns the new path."""
-    if not path.exists() or not path.read_text().strip():
+    """Rename an existing non-empty file or directory to ``<name>.<n>`` (first free n); returns
+    the new path, or None if there was nothing to keep."""
+    if not path.exists() or (path.read_text().strip() == "" if path.is_file() else not any(path.iterdir())):
         return None
     n = 1
     while path.with_name(f"{path.name}.{n}").exists():
@@ -136,6 +138,10 @@ def run(args, mode: str, warm_model, mesh, rollouts: Rollouts, out: Path) -> lis
     """RL steps with ``replay=mode``; appends to ``out/metrics.jsonl``; returns this run's records."""
     out.mkdir(parents=True, exist_ok=True)
     state = init_train_state(warm_model, optax.adam(args.lr), mesh=mesh, seed=args.seed)
+    if not args.resume:  # a fresh run never mixes its steps with an earlier run's checkpoints
+        old = _keep_aside(out / "ckpt")
+        if old is not None:
+            print(f"replay={mode}: starting fresh; the previous checkpoints are kept in {old}", flush=True)
     ckpt = Checkpointer(out / "ckpt", save_every=args.save_every, keep=2,
                         config={k: getattr(args, k) for k in HPARAMS})
     records = []
