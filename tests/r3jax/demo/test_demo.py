@@ -4,7 +4,6 @@ checkpoints and plots; --resume continues from the saved step."""
 import json
 import shutil
 
-import pytest
 
 from r3jax.demo import main
 
