@@ -4,7 +4,6 @@ checkpoints and plots; --resume continues from the saved step."""
 import json
 import shutil
 
-
 from r3jax.demo import main
 
 SMALL = ["--steps", "2", "--prompts", "2", "--samples", "2", "--warmup-steps", "2", "--max-turns", "2",
