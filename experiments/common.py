@@ -11,6 +11,8 @@ from pathlib import Path
 
 import jax
 
+from r3jax.demo.report import table  # noqa: F401  (one table formatter for scripts and the demo)
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -28,14 +30,6 @@ def timeit(fn, *, warmup: int = 1, repeats: int = 5) -> float:
 
 def block(tree):
     return jax.block_until_ready(tree)
-
-
-def table(rows: list[dict], columns: list[str]) -> str:
-    """A Markdown table of ``rows`` restricted to ``columns`` (floats to 4 significant figures)."""
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def environment() -> dict:

@@ -12,7 +12,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":
-        from experiments.train_multiturn import main as demo_main
+        from r3jax.demo import main as demo_main
         demo_main(rest)
     elif cmd == "serve":
         from r3jax.serve.server import main as serve_main

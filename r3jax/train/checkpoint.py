@@ -1,21 +1,33 @@
 """Orbax checkpoints of the whole TrainState plus the data cursor: every N steps, keep the last k,
-async saves, restore onto the current mesh, and fall back past incomplete or damaged steps.
+async saves, restore onto the current mesh; never lose a good checkpoint, never hide a failed write.
 
 On disk, ``<dir>/<step>/state`` holds params, opt_state, step, rng (nested string-keyed dicts, see
-tree_io) and ``<dir>/<step>/meta`` a JSON record with the data cursor. Orbax writes each step into a
-temporary directory and renames it when complete, so an interrupted save never has a step name;
-a step directory without orbax's ``commit_success.txt`` is treated as incomplete as well.
+tree_io) and ``<dir>/<step>/meta`` a JSON record with the data cursor and the run's settings.
+Orbax writes each step into a temporary directory and renames it when complete, so an interrupted
+save never has a step name; a step directory without orbax's ``commit_success.txt`` is incomplete.
+
+Restore reads the step's metadata (tree, shapes, dtypes) and compares it with the template before
+reading any array. A *different* state (another optimizer, model config or dtype) raises
+:class:`CheckpointMismatchError` naming every difference and leaves the directory untouched; only a
+step that is incomplete or unreadable (missing or corrupt files, I/O errors) is renamed
+``<step>.damaged`` so that training can fall back to the previous step.
+
+A save that fails (directory gone, read-only or full; orbax's background write raising) raises
+:class:`CheckpointWriteError` from the next call to ``save``/``wait``/``close`` (``save`` is called
+every step, so the run stops at the next step) and from every call after it.
 Single-process (one host) checkpointing.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 import warnings
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
@@ -24,6 +36,31 @@ from r3jax.train.state import TrainState, state_shardings
 
 _FORMAT = "r3jax.train.checkpoint/1"
 _COMMIT_FILE = "commit_success.txt"
+_MAX_LISTED = 12  # differences named in one mismatch message
+# tensorstore reports read failures as ValueError("<STATUS>: ..."); these statuses mean the files
+# are missing, short or corrupt (anything else is not damage and propagates).
+_READ_FAILURES = ("NOT_FOUND", "DATA_LOSS", "OUT_OF_RANGE", "FAILED_PRECONDITION", "PERMISSION_DENIED",
+                  "UNAVAILABLE")
+log = logging.getLogger(__name__)
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint holds a different state than the template (structure, shape or dtype).
+
+    ``differences``: one line per difference, e.g. ``"opt_state/0/mu: only in the checkpoint"``.
+    """
+
+    def __init__(self, message: str, differences: list[str]):
+        super().__init__(message)
+        self.differences = differences
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint save failed; training must not go on believing it is protected."""
+
+
+class _Unreadable(Exception):
+    """Internal: a step whose files are missing or corrupt (quarantined by restore_latest)."""
 
 
 def _state_tree(state: TrainState) -> dict:
@@ -31,23 +68,73 @@ def _state_tree(state: TrainState) -> dict:
             "step": state.step, "rng": state.rng}
 
 
+def _is_read_failure(e: BaseException) -> bool:
+    if isinstance(e, (OSError, json.JSONDecodeError)):
+        return True
+    if isinstance(e, KeyError):  # orbax: 'Item "state" was not found in the checkpoint'
+        return "not found in the checkpoint" in str(e)
+    return isinstance(e, ValueError) and str(e).split(":", 1)[0] in _READ_FAILURES
+
+
+def _spec(x) -> tuple[tuple[int, ...], str]:
+    return tuple(int(d) for d in x.shape), str(np.dtype(x.dtype))
+
+
+def _diff(on_disk: dict, template: dict) -> list[str]:
+    """Differences between two ``{path: (shape, dtype)}`` maps, params first; a whole missing
+    subtree is named once, by its top-most path."""
+    def top(path, other):  # shortest prefix of path that ``other`` has no leaf under
+        prefixes = {p[:i] for p in other for i in range(1, len(p) + 1)}
+        return next(path[:i] for i in range(1, len(path) + 1) if path[:i] not in prefixes)
+
+    found = []
+    for name, a, b in (("checkpoint", on_disk, template), ("template", template, on_disk)):
+        found += [(p, f"only in the {name}") for p in {top(p, b) for p in a if p not in b}]
+    for p in set(on_disk) & set(template):
+        if on_disk[p] != template[p]:
+            (ds, dd), (ts, td) = on_disk[p], template[p]
+            found.append((p, f"checkpoint {dd}{list(ds)}, template {td}{list(ts)}"))
+    rank = {"params": 0, "rest": 1, "opt_state": 2}
+    return [f"{'/'.join(p)}: {what}" for p, what in sorted(found, key=lambda f: (rank.get(f[0][0], 3), f[0]))]
+
+
 class Checkpointer:
-    """``Checkpointer(directory, save_every=N, keep=k, async_save=True)``.
+    """``Checkpointer(directory, save_every=N, keep=k, async_save=True, config=None)``.
 
     ``save(state, data_cursor=...)`` writes when ``state.step`` is a multiple of N (or ``force``);
     ``restore_latest(template)`` returns ``(state, data_cursor)`` from the newest complete,
     readable step (None when there is none), placed like ``template`` on its mesh (or ``mesh``).
+    config: JSON-serialisable run settings (e.g. ``{"lr": 1e-3}``) stored with every step; a restore
+    under different settings is allowed and logged, and the changes are kept in ``config_changes``
+    (``{name: (saved, current)}``).
     """
 
-    def __init__(self, directory, *, save_every: int = 1, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory, *, save_every: int = 1, keep: int = 3, async_save: bool = True,
+                 config: dict | None = None):
         for name, v in (("save_every", save_every), ("keep", keep)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r}: expected an int >= 1")
+        if config is not None and not isinstance(config, dict):
+            raise ValueError(f"config={config!r}: expected a dict of JSON-serialisable settings or None")
+        self._config = json.loads(json.dumps(config)) if config is not None else None
+        self.config_changes: dict[str, tuple[Any, Any]] = {}
         self.directory = pathlib.Path(directory).absolute()
         self.save_every, self.keep = save_every, keep
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=1, create=True,
-                                               enable_async_checkpointing=async_save)
-        self._mgr = ocp.CheckpointManager(self.directory, options=options)
+        # Directories are created synchronously: when creation fails orbax's asynchronous variant
+        # leaves non-daemon threads waiting 20 minutes for a signal that never comes (the process
+        # then hangs at exit); this way the failure raises in save() instead.
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, save_interval_steps=1, create=True, enable_async_checkpointing=async_save,
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()  # so metadata reads need no save first
+        for item, handler, save_args, restore_args in (
+                ("state", ocp.StandardCheckpointHandler(), ocp.args.StandardSave, ocp.args.StandardRestore),
+                ("meta", ocp.JsonCheckpointHandler(), ocp.args.JsonSave, ocp.args.JsonRestore)):
+            registry.add(item, save_args, handler)
+            registry.add(item, restore_args, handler)
+        self._mgr = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+        self._pending: int | None = None  # the step of the last started save, until verified
+        self._failure: CheckpointWriteError | None = None
 
     # ---- saving ------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -58,8 +145,11 @@ class Checkpointer:
 
         With async saves this returns once the arrays are copied off the device, so the next
         (donating) train_step may run at once; call :meth:`wait` before reading the files.
+        Raises CheckpointWriteError if this or an earlier save failed (checked on every call, due
+        or not, without blocking on a save still in progress).
         data_cursor: any JSON-serialisable value (e.g. ``{"epoch": 1, "index": 512}``).
         """
+        self._check_saves(block=False)
         step = int(jax.device_get(state.step))
         if not (force or self.should_save(step)) or step in self._mgr.all_steps():
             return False
@@ -67,23 +157,61 @@ class Checkpointer:
             json.dumps(data_cursor)
         except TypeError as e:
             raise ValueError(f"data_cursor={data_cursor!r}: expected a JSON-serialisable value ({e})")
-        meta = {"format": _FORMAT, "step": step, "data_cursor": data_cursor}
+        meta = {"format": _FORMAT, "step": step, "data_cursor": data_cursor, "config": self._config}
         item = tree_io.to_nested(_state_tree(state))
-        return bool(self._mgr.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(item), meta=ocp.args.JsonSave(meta)), force=True))
+        self._check_saves(block=True)  # orbax waits for the previous save here anyway
+        try:
+            started = self._mgr.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(item), meta=ocp.args.JsonSave(meta)), force=True)
+        except OSError as e:  # directory missing, not a directory, read-only, full
+            raise self._fail(step, e) from e
+        if started:
+            self._pending = step
+        return bool(started)
 
     def wait(self) -> None:
-        """Block until every started save is on disk."""
-        self._mgr.wait_until_finished()
+        """Block until every started save is on disk; raises CheckpointWriteError if one failed."""
+        self._check_saves(block=True)
 
     def close(self) -> None:
-        self._mgr.close()
+        """Finish pending saves and release orbax's threads. Raises CheckpointWriteError for a
+        failed save not reported yet (an already reported one is not raised again)."""
+        reported = self._failure is not None
+        try:
+            self._check_saves(block=True)
+        except CheckpointWriteError:
+            if not reported:
+                raise
+        finally:
+            self._mgr.close()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+    def _check_saves(self, *, block: bool) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._pending is None or (not block and self._mgr.is_saving_in_progress()):
+            return
+        step, self._pending = self._pending, None
+        try:
+            self._mgr.wait_until_finished()
+        # The background write's own error, whatever orbax raised: re-raised below, never ignored.
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(step, e) from e
+        if not self._complete(step):  # orbax logs some commit failures instead of raising them
+            raise self._fail(step, "the save finished without a committed step directory (see the "
+                                   "orbax error logged above)")
+
+    def _fail(self, step: int, cause) -> CheckpointWriteError:
+        why = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else cause
+        self._failure = CheckpointWriteError(
+            f"checkpoint save of step {step} to {self.directory} failed ({why}); stopping rather than "
+            f"training on without checkpoints")
+        return self._failure
 
     # ---- restoring ---------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
@@ -97,27 +225,23 @@ class Checkpointer:
 
     def restore(self, step: int, template: TrainState, *, mesh: Mesh | None = None) -> tuple[TrainState, Any]:
         """Restore ``step`` into ``template``'s structure, sharded for ``mesh`` (default: the
-        template's mesh, i.e. the current one). Returns ``(state, data_cursor)``."""
-        mesh = template.mesh if mesh is None else mesh
-        sh = state_shardings(template, mesh)
-        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                template, sh)
-        target = tree_io.to_nested(_state_tree(abstract))
-        out = self._mgr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-        meta = out.meta
-        if not isinstance(meta, dict) or meta.get("format") != _FORMAT or meta.get("step") != step:
-            raise ValueError(f"checkpoint step {step} meta={meta!r}: expected format {_FORMAT!r} "
-                             f"and step {step}")
-        tree = tree_io.from_nested(out.state, _state_tree(abstract))
-        return template.replace(**tree), meta["data_cursor"]
+        template's mesh, i.e. the current one). Returns ``(state, data_cursor)``.
+
+        Raises CheckpointMismatchError (a ValueError) if the step holds a different tree, shape
+        or dtype than ``template``, before any array is read.
+        """
+        try:
+            return self._restore(step, template, mesh)
+        except _Unreadable as e:
+            raise e.__cause__ from None
 
     def restore_latest(self, template: TrainState, *, mesh: Mesh | None = None) -> tuple[TrainState, Any] | None:
         """The newest step that restores cleanly, or None if the directory holds none.
 
-        A step directory without a commit marker or one that fails to restore (truncated or
-        missing files, wrong structure) is skipped with a warning and renamed ``<step>.damaged``
-        so that later saves of that step number cannot collide with it.
+        A step directory without a commit marker, or whose files are missing or corrupt, is skipped
+        with a warning and renamed ``<step>.damaged`` (later saves of that step number then cannot
+        collide with it). A readable step that does not match ``template`` raises
+        CheckpointMismatchError and nothing on disk changes.
         """
         self.wait()  # never race a save this process started
         self._mgr.reload()
@@ -126,10 +250,62 @@ class Checkpointer:
                 self._quarantine(step, f"has no {_COMMIT_FILE} (an interrupted save)")
                 continue
             try:
-                return self.restore(step, template, mesh=mesh)
-            except Exception as e:  # noqa: BLE001 - any read failure means "damaged": fall back
-                self._quarantine(step, f"could not be restored ({type(e).__name__}: {str(e)[:300]})")
+                return self._restore(step, template, mesh)
+            except _Unreadable as e:
+                c = e.__cause__
+                self._quarantine(step, f"could not be read ({type(c).__name__}: {str(c)[:300]})")
         return None
+
+    def _restore(self, step, template, mesh):
+        mesh = template.mesh if mesh is None else mesh
+        sh = state_shardings(template, mesh)
+        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                template, sh)
+        target = tree_io.to_nested(_state_tree(abstract))
+        meta = self._read(step, lambda: self._mgr.restore(
+            step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+        if not isinstance(meta, dict) or meta.get("format") != _FORMAT or meta.get("step") != step:
+            raise CheckpointMismatchError(
+                f"checkpoint step {step} in {self.directory} has meta={meta!r}: expected format "
+                f"{_FORMAT!r} and step {step} (nothing on disk was changed)", ["meta"])
+        items = self._read(step, lambda: self._mgr.item_metadata(step))
+        on_disk = items["state"] if "state" in items.keys() else None
+        if on_disk is None:  # no state item, or orbax found no tree metadata file
+            raise _Unreadable() from FileNotFoundError(f"{self.directory / str(step) / 'state'}: no _METADATA")
+        diffs = _diff({p: _spec(x) for p, x in tree_io.flatten_nested(on_disk).items()},
+                      {p: _spec(x) for p, x in tree_io.flatten_nested(target).items()})
+        if diffs:
+            listed = "; ".join(diffs[:_MAX_LISTED]) + (f"; and {len(diffs) - _MAX_LISTED} more"
+                                                       if len(diffs) > _MAX_LISTED else "")
+            raise CheckpointMismatchError(
+                f"checkpoint step {step} in {self.directory} holds a different training state than the "
+                f"one it is restored into (changed optimizer, model config or dtype?): {listed}. Nothing "
+                f"on disk was changed; restore with the original settings or use another directory.",
+                diffs)
+        out = self._read(step, lambda: self._mgr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target))).state)
+        self._note_config(step, meta.get("config"))
+        tree = tree_io.from_nested(out, _state_tree(abstract))
+        return template.replace(**tree), meta["data_cursor"]
+
+    def _read(self, step: int, fn):
+        try:
+            return fn()
+        except (OSError, ValueError, KeyError) as e:
+            if isinstance(e, CheckpointMismatchError) or not _is_read_failure(e):
+                raise
+            raise _Unreadable() from e
+
+    def _note_config(self, step: int, saved: dict | None) -> None:
+        current = self._config
+        if saved is None or current is None:
+            self.config_changes = {}
+            return
+        keys = sorted(set(saved) | set(current))
+        self.config_changes = {k: (saved.get(k), current.get(k)) for k in keys if saved.get(k) != current.get(k)}
+        if self.config_changes:
+            log.warning("resuming from checkpoint step %d in %s with changed settings: %s", step, self.directory,
+                        ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in self.config_changes.items()))
 
     def _complete(self, step: int) -> bool:
         return (self.directory / str(step) / _COMMIT_FILE).is_file()

@@ -1,11 +1,15 @@
 """Orbax checkpoints: bit-identical resume, keep-k / every-N, data cursor, restore onto another mesh,
-interrupted and damaged steps skipped with a warning."""
+interrupted and damaged steps skipped with a warning, a different state refused without touching the
+directory, failed writes raised, changed settings logged."""
 
+import errno
+import logging
 import os
 import shutil
 
 import jax
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -22,9 +26,9 @@ def _at_step(state, step):
     return state.replace(step=jax.device_put(np.int32(step), state.step.sharding))
 
 
-def _fresh_template(tx, mesh=None):
+def _fresh_template(tx, mesh=None, **cfg_overrides):
     """A state built from a differently initialised model: restore must overwrite every leaf."""
-    cfg = models.MoeConfig.tiny()
+    cfg = models.MoeConfig.tiny(**cfg_overrides)
     return train.init_train_state(models.MoeTransformer(cfg, rngs=nnx.Rngs(123)), tx, mesh=mesh, seed=9)
 
 
@@ -124,7 +128,7 @@ def test_damaged_and_interrupted_steps_are_skipped(tiny, tx, tmp_path):
         restored, cursor = ckpt.restore_latest(_fresh_template(tx))
     messages = [str(w.message) for w in caught]
     assert any("step 8" in m and "commit_success.txt" in m for m in messages), messages
-    assert any("step 4" in m and "could not be restored" in m for m in messages), messages
+    assert any("step 4" in m and "could not be read" in m and "OUT_OF_RANGE" in m for m in messages), messages
     assert cursor == 2 and int(restored.step) == 2
     assert all(np.array_equal(a, b) for a, b in zip(_leaves(restored.params), _leaves(state.params)))
     assert (tmp_path / "4.damaged").is_dir() and (tmp_path / "8.damaged").is_dir()
@@ -136,3 +140,120 @@ def test_damaged_and_interrupted_steps_are_skipped(tiny, tx, tmp_path):
 def test_empty_directory_restores_nothing(tiny, tx, tmp_path):
     with train.Checkpointer(tmp_path) as ckpt:
         assert ckpt.restore_latest(_fresh_template(tx)) is None
+
+
+def _listing(root):
+    """Every path under ``root`` with its size and mtime: 'unchanged' means byte-for-byte untouched."""
+    out = []
+    for dirpath, dirs, files in os.walk(root):
+        for name in sorted(dirs + files):
+            st = os.stat(os.path.join(dirpath, name))
+            out.append((os.path.relpath(os.path.join(dirpath, name), root), st.st_size, st.st_mtime_ns))
+    return sorted(out)
+
+
+def test_restore_into_a_different_state_raises_and_touches_nothing(tiny, tx, tmp_path):
+    _, model = tiny
+    with train.Checkpointer(tmp_path, async_save=False) as ckpt:
+        for s in (1, 2):
+            ckpt.save(_at_step(train.init_train_state(model, optax.adam(1e-3)), s), data_cursor=s)
+    before = _listing(tmp_path)
+    assert [p for p, *_ in before if "/" not in p] == ["1", "2"]
+
+    ckpt = train.Checkpointer(tmp_path)
+    # another optimizer: adam's mu/nu/count on disk, sgd-with-momentum's trace in the template
+    with pytest.raises(ValueError) as e:
+        ckpt.restore_latest(_fresh_template(optax.sgd(0.1, momentum=0.9)))
+    assert isinstance(e.value, train.CheckpointMismatchError)
+    msg = str(e.value)
+    assert f"checkpoint step 2 in {tmp_path}" in msg and "Nothing on disk was changed" in msg
+    assert e.value.differences == ["opt_state/0/count: only in the checkpoint",
+                                   "opt_state/0/mu: only in the checkpoint",
+                                   "opt_state/0/nu: only in the checkpoint",
+                                   "opt_state/0/trace: only in the template"]
+    # another model config: the same tree with other shapes, each leaf named with both shapes
+    with pytest.raises(train.CheckpointMismatchError,
+                       match=r"params/embed: checkpoint float32\[272, 64\], template float32\[300, 64\]"):
+        ckpt.restore_latest(_fresh_template(optax.adam(1e-3), vocab_size=300))
+    # another dtype (orbax would silently cast it)
+    with pytest.raises(train.CheckpointMismatchError,
+                       match=r"params/embed: checkpoint float32\[272, 64\], template bfloat16\[272, 64\]"):
+        ckpt.restore(2, _fresh_template(optax.adam(1e-3), param_dtype=jax.numpy.bfloat16))
+    assert _listing(tmp_path) == before  # no step quarantined, renamed or rewritten
+    state, cursor = ckpt.restore_latest(_fresh_template(optax.adam(1e-3)))  # the right template still works
+    assert cursor == 2 and int(state.step) == 2
+    ckpt.close()
+
+
+def _corrupt_meta_json(step_dir):
+    (step_dir / "meta" / "metadata").write_text("{not json")
+
+
+def _remove_array_files(step_dir):
+    shutil.rmtree(step_dir / "state" / "d")
+
+
+@pytest.mark.parametrize("damage", [_corrupt_meta_json, _remove_array_files, _truncate_arrays])
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax: failed read
+def test_unreadable_newest_step_is_quarantined_and_the_previous_restored(tiny, tx, tmp_path, damage):
+    _, model = tiny
+    state = train.init_train_state(model, tx)
+    with train.Checkpointer(tmp_path, keep=5, async_save=False) as ckpt:
+        for s in (3, 6):
+            ckpt.save(_at_step(state, s), data_cursor=s, force=True)
+    damage(tmp_path / "6")
+    with train.Checkpointer(tmp_path) as ckpt, pytest.warns(RuntimeWarning, match=r"step 6 .* could not be read"):
+        restored, cursor = ckpt.restore_latest(_fresh_template(tx))
+    assert cursor == 3 and int(restored.step) == 3
+    assert sorted(os.listdir(tmp_path)) == ["3", "6.damaged"]
+
+
+def test_write_into_a_vanished_directory_raises_at_the_next_save(tiny, tx, tmp_path):
+    _, model = tiny
+    state = train.init_train_state(model, tx)
+    d = tmp_path / "ckpt"
+    ckpt = train.Checkpointer(d, save_every=1)
+    assert ckpt.save(_at_step(state, 1), data_cursor=1)
+    ckpt.wait()
+    # The directory turns unwritable. We run as root, for whom chmod does not stop writes, so put a
+    # regular file where the directory was: every write under it fails with ENOTDIR.
+    shutil.rmtree(d)
+    d.write_text("not a directory")
+    with pytest.raises(train.CheckpointWriteError, match=rf"checkpoint save of step 2 to {d} failed "
+                                                         r"\(NotADirectoryError"):
+        ckpt.save(_at_step(state, 2), data_cursor=2)
+    # sticky: the run cannot carry on by ignoring one exception
+    with pytest.raises(train.CheckpointWriteError, match="step 2"):
+        ckpt.save(_at_step(state, 3), data_cursor=3)
+    ckpt.close()  # already reported: closing does not raise it again
+
+
+def test_background_write_failure_raises_at_the_next_call(tiny, tx, tmp_path, monkeypatch):
+    from orbax.checkpoint._src.path import atomicity
+
+    async def disk_full(self):  # the last step of orbax's background commit: rename tmp -> step
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    _, model = tiny
+    state = train.init_train_state(model, tx)
+    ckpt = train.Checkpointer(tmp_path, save_every=2)
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", disk_full)
+    assert ckpt.save(_at_step(state, 2), data_cursor=2)  # async: returns before the failure
+    with pytest.raises(train.CheckpointWriteError, match=r"step 2 .* failed .*No space left on device"):
+        ckpt.wait()
+    with pytest.raises(train.CheckpointWriteError):  # and every save after it, due or not
+        ckpt.save(_at_step(state, 3), data_cursor=3)
+    assert ckpt.all_steps() == []
+    ckpt.close()
+
+
+def test_changed_settings_are_allowed_and_logged(tiny, tx, tmp_path, caplog):
+    _, model = tiny
+    state = train.init_train_state(model, tx)
+    with train.Checkpointer(tmp_path, async_save=False, config={"lr": 1e-3, "env": "echo"}) as ckpt:
+        ckpt.save(_at_step(state, 1), data_cursor=1)
+    with train.Checkpointer(tmp_path, config={"lr": 3e-4, "env": "echo"}) as ckpt:
+        with caplog.at_level(logging.WARNING, logger="r3jax.train.checkpoint"):
+            restored, cursor = ckpt.restore_latest(_fresh_template(tx))
+    assert cursor == 1 and ckpt.config_changes == {"lr": (1e-3, 3e-4)}
+    assert "resuming from checkpoint step 1" in caplog.text and "lr 0.001 -> 0.0003" in caplog.text

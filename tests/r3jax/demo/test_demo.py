@@ -1,12 +1,10 @@
-"""Smoke tests of the main job: both rollout paths write metrics, checkpoints and plots; --resume
-continues from the saved step."""
+"""Smoke tests of the main job (``python -m r3jax demo``): both rollout paths write metrics,
+checkpoints and plots; --resume continues from the saved step."""
 
 import json
 import shutil
 
-import pytest
-
-from experiments.train_multiturn import main
+from r3jax.demo import main
 
 SMALL = ["--steps", "2", "--prompts", "2", "--samples", "2", "--warmup-steps", "2", "--max-turns", "2",
          "--max-tokens", "3", "--max-seq-len", "64", "--save-every", "1", "--no-progress"]
@@ -16,7 +14,7 @@ def _records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_in_process_run_writes_outputs_and_resumes(tmp_path):
+def test_in_process_run_writes_outputs_and_resumes(tmp_path, capsys):
     out = tmp_path / "demo"
     main(SMALL + ["--in-process", "--replay", "rollout", "--out", str(out)])
     recs = _records(out / "rollout" / "metrics.jsonl")
@@ -31,9 +29,13 @@ def test_in_process_run_writes_outputs_and_resumes(tmp_path):
     assert inc[0] == full[0] and inc[1] < full[1]  # turn 2 re-sends the whole prefix without the start
 
     # "crash" after step 2 was logged but before its checkpoint landed: resume re-runs step 2 from the
-    # step-1 checkpoint and the log keeps each step once
+    # step-1 checkpoint and the log keeps each step once; a changed learning rate is allowed and reported
     shutil.rmtree(out / "rollout" / "ckpt" / "2")
-    main(SMALL[2:] + ["--steps", "3", "--in-process", "--replay", "rollout", "--out", str(out), "--resume"])
+    capsys.readouterr()
+    main(SMALL[2:] + ["--steps", "3", "--in-process", "--replay", "rollout", "--out", str(out), "--resume",
+                      "--lr", "5e-4"])
+    assert ("resuming from the step-1 checkpoint in " + str(out / "rollout" / "ckpt")
+            + " with changed settings: --lr 0.001 -> 0.0005") in capsys.readouterr().out
     recs = _records(out / "rollout" / "metrics.jsonl")
     assert [r["step"] for r in recs] == [1, 2, 3]
     assert 3 in [int(p.name) for p in (out / "rollout" / "ckpt").iterdir() if p.name.isdigit()]

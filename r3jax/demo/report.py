@@ -1,4 +1,5 @@
-"""Plots and the summary table of a demo run (``experiments.train_multiturn``)."""
+"""The demo's summary table and plots, read back from every mode's full ``metrics.jsonl`` (so a
+resumed run is reported whole)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,17 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.common import table
-
 LABEL = {"rollout": "with replay (R3)", "none": "without replay"}
+COLUMNS = ["run", "steps", "reward_first", "reward_last", "k3_kl", "mean_abs_delta",
+           "routing_disagreement", "token_any_disagreement", "route_MiB"]
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    """A Markdown table of ``rows`` restricted to ``columns`` (floats to 4 significant figures)."""
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
 
 
 def load_metrics(out: Path, mode: str) -> list[dict]:
@@ -26,6 +35,9 @@ def _mean(records, key, part):
 def summarize(runs: dict[str, list[dict]]) -> list[dict]:
     rows = []
     for mode, recs in runs.items():
+        if not recs:
+            rows.append({"run": LABEL.get(mode, mode), "steps": 0})
+            continue
         rows.append({"run": LABEL.get(mode, mode), "steps": len(recs),
                      "reward_first": _mean(recs, "reward", "first"), "reward_last": _mean(recs, "reward", "last"),
                      "k3_kl": _mean(recs, "k3_kl", "all"), "mean_abs_delta": _mean(recs, "mean_abs_delta", "all"),
@@ -61,15 +73,13 @@ def plot(runs: dict[str, list[dict]], transfer: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def report(_runs_this_call: dict, transfer: dict, out: Path) -> dict:
+def report(modes, transfer: dict, out: Path) -> dict:
     """Reads every mode's full metrics.jsonl (a resumed run included), writes demo.png and
     summary.json, prints the summary table; returns the summary."""
-    runs = {m: load_metrics(out, m) for m in _runs_this_call}
+    runs = {m: load_metrics(out, m) for m in modes}
     rows = summarize(runs)
     plot(runs, transfer, out / "demo.png")
-    cols = ["run", "steps", "reward_first", "reward_last", "k3_kl", "mean_abs_delta",
-            "routing_disagreement", "token_any_disagreement", "route_MiB"]
-    print(table(rows, cols))
+    print(table(rows, COLUMNS))
     summary = {"runs": rows, "transfer_bytes_per_turn": transfer}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"wrote {out / 'demo.png'}, {out / 'summary.json'}, <mode>/metrics.jsonl, <mode>/ckpt/")

@@ -1,0 +1,100 @@
+"""``python -m r3jax demo``: flags, the top-level flow, and the errors a user sees.
+
+    python -m r3jax demo [--replay both|rollout|none] [--in-process] [--resume]
+        [--config tiny|PRESET|HF_DIR] [--steps N] [--seed S] [--out runs/demo]
+
+Starts the inference server as a subprocess on a free loopback port (``--in-process`` uses the
+in-process engine instead), warms the policy up on a few oracle demonstrations, then for each step:
+multi-turn rollouts through the ``RemoteInferenceClient`` (each turn sends
+``routed_experts_prompt_start``, so routes cross the wire once), GRPO advantages, ``collate`` +
+``shard_batch``, a jitted ``train_step`` that replays the rollout's routes (or routes live with
+``--replay none``), weight sync to the server, and orbax checkpoints. Rollouts run in bf16
+(``--rollout-dtype``) and the trainer in fp32: the mismatch that replay removes.
+``--replay both`` runs the replay run and the baseline from the same warm start and plots them
+side by side. Outputs under ``--out``: ``<mode>/metrics.jsonl``, ``<mode>/ckpt/``, ``demo.png``,
+``summary.json``.
+
+A checkpoint that does not match the run (``--resume`` after changing the model or optimizer) and a
+checkpoint write that fails both stop the demo with exit status 1 and the error on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m r3jax demo", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="tiny", help="model preset or Hugging Face directory")
+    ap.add_argument("--env", default="echo", help="built-in environment (echo, arithmetic, guess_number)")
+    ap.add_argument("--replay", default="both", choices=["both", "rollout", "none"])
+    ap.add_argument("--in-process", action="store_true", help="in-process engine instead of the server")
+    ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    ap.add_argument("--steps", type=int, default=40, help="RL steps per run")
+    ap.add_argument("--prompts", type=int, default=16, help="environments per step")
+    ap.add_argument("--samples", type=int, default=4, help="samples per environment (GRPO group)")
+    ap.add_argument("--max-turns", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=4, help="tokens per turn")
+    ap.add_argument("--max-seq-len", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup-steps", type=int, default=30, help="supervised steps on demonstrations")
+    ap.add_argument("--warmup-batch", type=int, default=32)
+    ap.add_argument("--rollout-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--save-every", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="runs/demo")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    for name in ("steps", "prompts", "samples", "max_turns", "max_tokens", "save_every", "warmup_batch"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= 1")
+    if args.warmup_steps < 0:
+        ap.error(f"--warmup-steps={args.warmup_steps}: expected >= 0")
+    return args
+
+
+def main(argv=None) -> dict:
+    """Runs the demo; returns the summary. A mismatching checkpoint or a failed checkpoint write
+    raises SystemExit with the error (exit status 1)."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    from r3jax.train import CheckpointMismatchError, CheckpointWriteError
+
+    try:
+        return _main(args)
+    except (CheckpointMismatchError, CheckpointWriteError) as e:
+        raise SystemExit(f"r3jax demo: error: {e}") from e
+
+
+def _main(args) -> dict:
+    import jax
+
+    from r3jax.demo.report import report
+    from r3jax.demo.rollouts import Rollouts, transfer_per_turn
+    from r3jax.demo.run import build_model, run, warm_start
+    from r3jax.sharding import make_mesh
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    modes = ["rollout", "none"] if args.replay == "both" else [args.replay]
+    mesh = make_mesh(data=-1)
+    model = build_model(args)
+    print(f"r3jax demo: {args.config} ({model.config.param_count():,} params, MoE layers "
+          f"{model.config.moe_layer_ids}, E={model.config.num_experts}, K={model.config.top_k}) on "
+          f"{jax.device_count()} {jax.default_backend()} device(s); env={args.env}; "
+          f"rollouts {args.rollout_dtype} via {'in-process engine' if args.in_process else 'HTTP server'}",
+          flush=True)
+    with contextlib.ExitStack() as stack:
+        rollouts = Rollouts(args, model, out, stack)
+        model, acc = warm_start(args, model, mesh, rollouts.generator, out)
+        if acc is not None:
+            print(f"warm-up: {args.warmup_steps} supervised steps, token accuracy {acc:.2f}", flush=True)
+        for mode in modes:
+            run(args, mode, model, mesh, rollouts, out / mode)
+        transfer = transfer_per_turn(args, rollouts)
+    return report(modes, transfer, out)

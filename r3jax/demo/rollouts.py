@@ -1,0 +1,99 @@
+"""The rollout side of the demo: ``python -m r3jax serve`` as a subprocess (or the in-process
+engine), the agent loop of one step, weight sync, and the per-turn route-transfer measurement."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+
+
+class ServerProcess:
+    """``python -m r3jax serve`` as a subprocess on a free loopback port; stopped with SIGTERM."""
+
+    def __init__(self, args, log_path: Path):
+        cmd = [sys.executable, "-m", "r3jax", "serve", "--model", args.config, "--host", "127.0.0.1",
+               "--port", "0", "--max-seq-len", str(args.max_seq_len),
+               "--max-batch-size", str(args.prompts * args.samples), "--seed", str(args.seed),
+               "--dtype", args.rollout_dtype, "--batch-wait-ms", "20"]  # gather a turn's requests
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        line = self.proc.stdout.readline()  # the server prints its address once bound
+        if "listening on" not in line:
+            self.stop()
+            raise RuntimeError(f"server did not start (see {log_path}): {line!r}")
+        self.url = line.strip().rsplit(" ", 1)[-1]
+        # keep draining stdout so a chatty server can never block on a full pipe
+        self._drain = threading.Thread(target=lambda: [self.log.write(x) for x in self.proc.stdout], daemon=True)
+        self._drain.start()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if getattr(self, "_drain", None) is not None:
+            self._drain.join(timeout=5)  # stdout is at EOF once the process has exited
+        self.log.close()
+
+
+class Rollouts:
+    """The generator (client or engine) plus the weight-sync call that matches it."""
+
+    def __init__(self, args, model, out: Path, stack: contextlib.ExitStack):
+        import jax.numpy as jnp
+
+        from r3jax.engine import Engine
+        from r3jax.serve.client import RemoteInferenceClient
+
+        self.sync_dir = out / "weights"
+        self.model_config = model.config
+        if args.in_process:
+            self.url = None
+            self.generator = Engine(model, max_seq_len=args.max_seq_len,
+                                    max_batch_size=args.prompts * args.samples,
+                                    dtype=getattr(jnp, args.rollout_dtype))
+        else:
+            server = ServerProcess(args, out / "server.log")
+            stack.callback(server.stop)
+            self.url = server.url
+            self.generator = RemoteInferenceClient([self.url], timeout=120.0)
+            stack.callback(self.generator.close)
+
+    def sync(self, state) -> int:
+        from r3jax.train import push_to_engine, push_to_server
+
+        if self.url is None:
+            return push_to_engine(self.generator, state)
+        return push_to_server(self.url, self.sync_dir, state)
+
+
+def make_loop(args, generator, step: int, *, seed: int | None = None, full_regather: bool = False):
+    """The AgentLoop of one RL step (``step`` -1: the warm-up); use it as a context manager."""
+    from r3jax.rollout import AgentLoop, make_env
+
+    return AgentLoop(generator, lambda: make_env(args.env), max_turns=args.max_turns,
+                     max_seq_len=args.max_seq_len, full_regather=full_regather,
+                     seed=args.seed * 100_003 + step + 1 if seed is None else seed,
+                     sampling=dict(max_tokens=args.max_tokens, temperature=args.temperature))
+
+
+def transfer_per_turn(args, rollouts: Rollouts) -> dict:
+    """Route bytes received per turn index, incremental vs full re-gather (one batch each)."""
+    result = {}
+    for name, full in (("incremental", False), ("full_regather", True)):
+        with make_loop(args, rollouts.generator, 0, seed=args.seed, full_regather=full) as loop:
+            trajs = loop.run(args.prompts, args.samples)
+        per_turn = np.zeros(args.max_turns)
+        for t in trajs:
+            for i, turn in enumerate(t.turns):
+                per_turn[i] += turn.route_bytes
+        result[name] = per_turn.tolist()
+    return result

@@ -1,0 +1,164 @@
+"""One demo run: the supervised warm start, then RL steps with ``train_step(replay=mode)``, orbax
+checkpoints and ``metrics.jsonl``.
+
+Resume rules: ``--resume`` restores the newest readable checkpoint and keeps the log lines up to its
+step (the steps after it are re-run). With nothing to resume it says so and starts fresh. A fresh
+start never truncates an existing log nor writes among an earlier run's checkpoints: they are kept
+as ``metrics.jsonl.<n>`` and ``ckpt.<n>``. A checkpoint of
+a different training state raises (CheckpointMismatchError) before any file is touched; a failed
+checkpoint write raises (CheckpointWriteError) at the next step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+from models import MoeConfig, MoeTransformer
+from models.hf import load_pretrained
+from r3jax.batch import collate
+from r3jax.demo.rollouts import Rollouts, make_loop
+from r3jax.sharding import batch_multiple, shard_batch
+from r3jax.train import (Checkpointer, LossConfig, export_params, group_advantages, init_train_state,
+                         load_params, train_step)
+from r3jax.train.sft import sft_step
+
+# Settings stored with every checkpoint; resuming under other values is allowed and reported.
+HPARAMS = ("config", "env", "lr", "temperature", "prompts", "samples", "max_turns", "max_tokens",
+           "max_seq_len", "rollout_dtype", "seed", "warmup_steps", "warmup_batch")
+
+
+def build_model(args):
+    if Path(args.config).is_dir():
+        return load_pretrained(args.config)[1]
+    return MoeTransformer(MoeConfig.preset(args.config), rngs=nnx.Rngs(args.seed))
+
+
+def warm_start(args, model, mesh, generator, out: Path):
+    """Supervised warm-up on oracle demonstrations; cached in ``out/warmup`` so runs share it.
+    Returns ``(model, token accuracy or None when loaded from the cache)``."""
+    cfg, path = model.config, out / "warmup"
+    if (path / "_CHECKPOINT_METADATA").exists() or (path / "_METADATA").exists():
+        return load_params(path, model), None
+    state = init_train_state(model, optax.adam(3e-3), mesh=mesh, seed=args.seed)
+    acc = None
+    with make_loop(args, generator, step=-1) as loop:
+        for _ in range(args.warmup_steps):
+            demos = loop.demonstrations(args.warmup_batch)
+            batch = collate(demos, num_experts=cfg.num_experts, top_k=cfg.top_k,
+                            num_layers=cfg.num_moe_layers, batch_multiple=batch_multiple(mesh))
+            state, m = sft_step(state, shard_batch(batch, mesh))
+            acc = float(jax.device_get(m["accuracy"]))
+    model = state.model()
+    export_params(path, model)
+    return model, acc
+
+
+def _read_lines(path: Path) -> list[str]:
+    return [line if line.endswith("\n") else line + "\n"
+            for line in (path.read_text().splitlines() if path.exists() else []) if line.strip()]
+
+
+def _keep_aside(path: Path) -> Path | None:
+    """Rename an existing non-empty file or directory to ``<name>.<n>`` (first free n); returns
+    the new path, or None if there was nothing to keep."""
+    if not path.exists() or (path.read_text().strip() == "" if path.is_file() else not any(path.iterdir())):
+        return None
+    n = 1
+    while path.with_name(f"{path.name}.{n}").exists():
+        n += 1
+    dst = path.with_name(f"{path.name}.{n}")
+    path.rename(dst)
+    return dst
+
+
+def _rewrite(path: Path, lines: list[str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(lines))
+    os.replace(tmp, path)  # atomic: a crash leaves the old log or the new one, never half of it
+
+
+def _start(args, mode: str, ckpt, state, out: Path):
+    """Restore (``--resume``) or start fresh; prepare the log. Returns ``(state, first step)``."""
+    log_path = out / "metrics.jsonl"
+    if args.resume:
+        restored = ckpt.restore_latest(state)  # raises CheckpointMismatchError; files untouched
+        if restored is not None:
+            state, cursor = restored
+            start = int(cursor["step"])
+            changes = ", ".join(f"--{k.replace('_', '-')} {a!r} -> {b!r}" for k, (a, b) in ckpt.config_changes.items())
+            print(f"replay={mode}: resuming from the step-{start} checkpoint in {ckpt.directory}"
+                  + (f" with changed settings: {changes}" if changes else ""), flush=True)
+            # steps logged after the checkpoint are re-run: keep only what the checkpoint contains
+            _rewrite(log_path, [x for x in _read_lines(log_path) if json.loads(x)["step"] <= start])
+            return state, start
+        print(f"replay={mode}: --resume found no checkpoint in {ckpt.directory}; starting fresh at step 0",
+              flush=True)
+    old = _keep_aside(log_path)
+    if old is not None:
+        print(f"replay={mode}: starting fresh; the previous log is kept as {old}", flush=True)
+    return state, 0
+
+
+def _step(args, mode: str, step: int, state, mesh, rollouts: Rollouts, ckpt: Checkpointer):
+    """Rollouts, GRPO advantages, one train_step, weight sync, checkpoint. Returns (record, state)."""
+    cfg = rollouts.model_config
+    t0 = time.perf_counter()
+    with make_loop(args, rollouts.generator, step) as loop:  # closes its event loop/connections
+        trajs = loop.run(args.prompts, args.samples)
+    t_roll = time.perf_counter() - t0
+    rewards = np.array([t.reward for t in trajs])
+    adv = group_advantages(rewards, np.array([t.group for t in trajs]))
+    for t, a in zip(trajs, adv):
+        t.advantage = float(a)
+    batch = collate(trajs, num_experts=cfg.num_experts, top_k=cfg.top_k,
+                    num_layers=cfg.num_moe_layers, batch_multiple=batch_multiple(mesh))
+    state, metrics = train_step(state, shard_batch(batch, mesh), replay=mode, config=LossConfig())
+    metrics = jax.device_get(metrics)
+    version = rollouts.sync(state)
+    ckpt.save(state, data_cursor={"step": step + 1})  # raises if this or an earlier save failed
+    rec = {"step": step + 1, "replay": mode, "reward": float(rewards.mean()),
+           "route_bytes": int(sum(t.route_bytes for t in trajs)),
+           "route_rows": int(sum(t.route_rows for t in trajs)),
+           "tokens": int(sum(t.num_tokens for t in trajs)), "weight_version": version,
+           "rollout_s": t_roll, "step_s": time.perf_counter() - t0}
+    rec.update({k: np.asarray(v).tolist() for k, v in metrics.items()})
+    return rec, state
+
+
+def run(args, mode: str, warm_model, mesh, rollouts: Rollouts, out: Path) -> list[dict]:
+    """RL steps with ``replay=mode``; appends to ``out/metrics.jsonl``; returns this run's records."""
+    out.mkdir(parents=True, exist_ok=True)
+    state = init_train_state(warm_model, optax.adam(args.lr), mesh=mesh, seed=args.seed)
+    if not args.resume:  # a fresh run never mixes its steps with an earlier run's checkpoints
+        old = _keep_aside(out / "ckpt")
+        if old is not None:
+            print(f"replay={mode}: starting fresh; the previous checkpoints are kept in {old}", flush=True)
+    ckpt = Checkpointer(out / "ckpt", save_every=args.save_every, keep=2,
+                        config={k: getattr(args, k) for k in HPARAMS})
+    records = []
+    with ckpt:
+        state, start = _start(args, mode, ckpt, state, out)
+        with open(out / "metrics.jsonl", "a") as log:
+            rollouts.sync(state)
+            bar = tqdm(range(start, args.steps), desc=f"replay={mode}", disable=args.no_progress,
+                       initial=start, total=args.steps)
+            for step in bar:
+                rec, state = _step(args, mode, step, state, mesh, rollouts, ckpt)
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+                records.append(rec)
+                bar.set_postfix(reward=f"{rec['reward']:.3f}", k3=f"{rec['k3_kl']:.1e}",
+                                dis=f"{rec['routing_disagreement']:.3f}", bytes=rec["route_bytes"])
+        if records and not ckpt.should_save(records[-1]["step"]):
+            ckpt.save(state, data_cursor={"step": records[-1]["step"]}, force=True)  # resume from the end
+        ckpt.wait()  # raises CheckpointWriteError if the last save failed
+    return records
