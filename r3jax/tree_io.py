@@ -57,3 +57,9 @@ def from_nested(nested: dict, template: Any) -> Any:
             node = node[k]
         leaves.append(node)
     return jax.tree.unflatten(treedef, leaves)
+
+
+def flatten_nested(tree: Any) -> dict[tuple[str, ...], Any]:
+    """``{key path: leaf}`` of a nested dict (or any pytree, e.g. orbax's tree metadata); empty
+    subtrees have no leaves and so no entry."""
+    return {path_keys(p): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}

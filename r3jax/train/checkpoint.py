@@ -31,7 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
-from r3jax.train import tree_io
+from r3jax import tree_io
 from r3jax.train.state import TrainState, state_shardings
 
 _FORMAT = "r3jax.train.checkpoint/1"
