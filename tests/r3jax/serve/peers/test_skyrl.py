@@ -177,5 +177,5 @@ def test_client_refuses_broken_answers():
                           ({**choice, "logprobs": None}, "logprobs")]:
         with pytest.raises(ProtocolError, match=match):
             skyrl.parse_generate_response({"choices": [broken]}, req, num_experts=E, num_layers=L, top_k=K)
-    with pytest.raises(ProtocolError, match=r"expert id \d+: expected ids in \[0, num_experts=200\)"):
+    with pytest.raises(ProtocolError, match=r"expert id \d+ .*num_experts=200"):
         skyrl.parse_generate_response(case["response_raw"], req, num_experts=200, num_layers=L, top_k=K)
