@@ -176,6 +176,9 @@ class Engine:
             raise FieldError("requests", type(requests).__name__, "a list of GenerateRequest",
                              f"requests={type(requests).__name__}: expected a list of GenerateRequest")
         for i, req in enumerate(requests):
+            if not isinstance(req, GenerateRequest):
+                raise FieldError(f"requests[{i}]", type(req).__name__, "a GenerateRequest",
+                                 f"requests[{i}]={type(req).__name__}: expected a GenerateRequest")
             try:
                 self._validate(req)
             except FieldError as e:
