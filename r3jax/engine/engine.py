@@ -66,7 +66,7 @@ class Engine:
 
     def __init__(self, model: MoeTransformer, *, max_seq_len: int, max_batch_size: int,
                  prefix_cache_bytes: int = 64 << 20, dtype=None, moe_impl: str | None = None,
-                 block_size: int = 16, prefill_chunk: int = 256, min_prefill_chunk: int = 16,
+                 block_size: int = 16, prefill_chunk: int = 256, min_prefill_chunk: int = 64,
                  prefill_rows: int | None = None,
                  min_seq_bucket: int = 64, decode_steps: int = 8, max_stop_tokens: int = 64, mesh=None,
                  static: bool = False, seed: int | None = None):
@@ -155,6 +155,10 @@ class Engine:
                 "prefix_cache_evictions": self._prefix.evictions,
                 "ttft_p50_s": None if ttft is None else float(np.percentile(ttft, 50)),
                 "ttft_p99_s": None if ttft is None else float(np.percentile(ttft, 99))}
+
+    def recent_ttft(self, n: int = 1024) -> list[float]:
+        """Seconds from submit to first token (sampled at admission) of the last ``n`` admitted requests."""
+        return list(self._ttft[-n:])
 
     def submit(self, request: GenerateRequest) -> concurrent.futures.Future:
         """Queue one request; returns a ``concurrent.futures.Future[GenerateOutput]``. Raises
@@ -279,6 +283,9 @@ class Engine:
         return (functools.partial(dev.prefill_chunk, self._graphdef),
                 {"donate_argnums": (2, 3, 7), "out_shardings": (cache, rep, rep)})
 
+    def _build_first(self):
+        return dev.sample_first, {"out_shardings": (self.placement.replicated, self.placement.replicated)}
+
     def _build_insert(self):
         return dev.insert, {"donate_argnums": (0,), "out_shardings": self.placement.state(self._state)}
 
@@ -323,8 +330,10 @@ class Engine:
                 routes, put(tokens), put(positions), put(last), logits)
         slot_arr = np.full((rows,), self.max_batch_size, np.int32)
         slot_arr[:n] = slot_ids
-        self._state = self._run("insert", (rows, sp), self._build_insert, self._state, cache, routes, logits,
-                                put(slot_arr), jax.tree.map(put, self._slot_params(jobs, rows)))
+        new = jax.tree.map(put, self._slot_params(jobs, rows))
+        first, first_lp = self._run("first", rows, self._build_first, logits, new)
+        self._state = self._run("insert", (rows, sp), self._build_insert, self._state, cache, routes, first,
+                                first_lp, put(slot_arr), new)
         for job, c in zip(jobs, cached):
             job.cached = c
         c = self._counters

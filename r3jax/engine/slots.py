@@ -11,8 +11,8 @@ updates. Layout (B slots, S = cache length, L MoE layers, K experts per token):
   ``n_gen``, ``done``, ``stopped`` and the request's parameters (:class:`SlotParams`).
 
 Prefill runs on a scratch cache [N, Sp] (Sp a bucket of the prompt length; prefix-cache blocks are
-loaded into it first), then :func:`insert` copies each scratch row into its slot and samples the
-first token. :func:`decode` advances every live slot by up to ``steps`` tokens, attending over only
+loaded into it first), then :func:`sample_first` samples each row's first token and :func:`insert` copies the scratch
+rows into their slots. :func:`decode` advances every live slot by up to ``steps`` tokens, attending over only
 the first ``window`` positions (a bucket of the longest live slot). Position ``window - 1`` (``Sp - 1``
 in prefill) is the trash position: padding and idle slots are fed there, and the host picks buckets so
 that no real token is ever fed at it.
@@ -105,15 +105,20 @@ def _is_stop(stop_ids, tok):
     return jnp.any(stop_ids == tok[:, None], axis=-1)
 
 
-def insert(state: SlotState, cache: KVCache, routes, logits, slot, new: SlotParams) -> SlotState:
+def sample_first(logits, new: SlotParams):
+    """The first token of each prefilled row from its last prompt token's logits [N, V]:
+    ``(tokens [N] int32, logprobs [N] f32)``."""
+    first = sample_tokens(logits, new.key_data, jnp.zeros_like(new.prompt_len), new.temperature, new.top_k,
+                          new.top_p)
+    return first, token_logprobs(logits, first)
+
+
+def insert(state: SlotState, cache: KVCache, routes, first, first_lp, slot, new: SlotParams) -> SlotState:
     """Copy scratch row n (``cache``/``routes`` [N, Sp]) into slot ``slot[n]`` (== B: padding, dropped),
-    set its parameters ``new`` ([N] each) and sample its first token from ``logits`` [N, V]."""
+    set its parameters ``new`` ([N] each) and its first token ``first`` [N] (logprob ``first_lp``)."""
     sp = routes.shape[1]
     put = lambda dst, src: dst.at[slot, :sp].set(src.astype(dst.dtype), mode="drop")
     kv = KVCache(k=tuple(map(put, state.cache.k, cache.k)), v=tuple(map(put, state.cache.v, cache.v)))
-    first = sample_tokens(logits, new.key_data, jnp.zeros_like(new.prompt_len), new.temperature, new.top_k,
-                          new.top_p)
-    first_lp = token_logprobs(logits, first)
     stopped = _is_stop(new.stop_ids, first)
     at = lambda dst, val: dst.at[slot].set(val, mode="drop")
     params = jax.tree.map(at, state.params, new)

@@ -39,7 +39,11 @@ def compile_all(engine) -> int:
                 e.programs.get("prefill", (rows, t, sp), lambda: e._build_prefill(rows, sp), e._params, e._rest,
                                cache, routes, i32(rows, t), i32(rows, t), i32(rows), logits)
             new = jax.tree.map(put, e._slot_params([], rows))
-            e.programs.get("insert", (rows, sp), e._build_insert, e._state, cache, routes, logits, i32(rows), new)
+            e.programs.get("first", rows, e._build_first, logits, new)
+            first = jax.ShapeDtypeStruct((rows,), np.int32, sharding=rep)
+            first_lp = jax.ShapeDtypeStruct((rows,), np.float32, sharding=rep)
+            e.programs.get("insert", (rows, sp), e._build_insert, e._state, cache, routes, first, first_lp,
+                           i32(rows), new)
     evict = put(np.zeros((e.max_batch_size,), bool))
     for window in e._seq_buckets:
         e.programs.get("decode", window, lambda: e._build_decode(window), e._params, e._rest, e._state, evict)

@@ -10,6 +10,7 @@ loop, cancelling the request when its caller goes away, and counting.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from typing import Any, Callable
 
 
@@ -29,6 +30,10 @@ class EngineBridge:
 
     def __init__(self, engine: Any, *, max_queue: int = 4096):
         self.engine, self.max_queue = engine, max_queue
+        # an engine-like object with only ``generate(list)`` (a test double, an older generator) runs
+        # one request per call on ``max_batch_size`` worker threads
+        self._submit = getattr(engine, "submit", None) or self._generate_one
+        self._workers: concurrent.futures.ThreadPoolExecutor | None = None
         self._closing = False
         self._in_flight = 0
         self.stats = {"requests": 0, "cancelled": 0}
@@ -60,7 +65,7 @@ class EngineBridge:
             raise ShuttingDown("server shutting down; request not started")
         if self.queued >= self.max_queue:
             raise Overloaded(f"{self.queued} requests queued (max_queue={self.max_queue}); retry later")
-        future = self.engine.submit(request)  # validation errors raise here, before anything is queued
+        future = self._submit(request)  # validation errors raise here, before anything is queued
         self.stats["requests"] += 1
         self._in_flight += 1
         try:
@@ -71,6 +76,28 @@ class EngineBridge:
             raise
         finally:
             self._in_flight -= 1
+
+    def _generate_one(self, request: Any) -> concurrent.futures.Future:
+        """``engine.generate([request])`` on a worker thread, as a future that stays cancellable until done."""
+        if self._workers is None:
+            n = max(1, int(getattr(self.engine, "max_batch_size", 1)))
+            self._workers = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="r3jax-generate")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run():
+            if future.cancelled():
+                return
+            try:
+                result = self.engine.generate([request])[0]
+            except Exception as e:  # delivered to the awaiting handler, which maps it to a status
+                result = e
+            try:
+                future.set_exception(result) if isinstance(result, Exception) else future.set_result(result)
+            except concurrent.futures.InvalidStateError:  # cancelled meanwhile: nobody to tell
+                self.stats["cancelled_in_engine"] = self.stats.get("cancelled_in_engine", 0) + 1
+
+        self._workers.submit(run)
+        return future
 
     async def run_exclusive(self, fn: Callable[[], Any]) -> Any:
         """Run a blocking engine call (``set_weights``, ``warmup``) off the event loop."""

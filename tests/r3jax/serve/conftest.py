@@ -88,12 +88,11 @@ def start_process(port: int, *args: str, cache_dir: Path) -> subprocess.Popen:
 
 class FakeEngine:
     """Engine stand-in (no JAX): token t of a reply is (sum(prompt) + t) % V; route row i is
-    ``(i + l + k) % E``; ``gate`` (a threading.Event) can hold every generate call. ``submit`` runs
-    requests on ``max_batch_size`` worker threads (its "slots"); ``warm_gate`` can hold ``warmup``."""
+    ``(i + l + k) % E``; ``gate`` (a threading.Event) can hold every generate call. It has no
+    ``submit``: the app's bridge runs ``generate([request])`` on ``max_batch_size`` threads (its
+    "slots"); ``warm_gate`` can hold ``warmup``."""
 
     def __init__(self, max_seq_len: int = 64, max_batch_size: int = 4):
-        import concurrent.futures
-
         from models import MoeConfig
 
         self.config = MoeConfig.tiny()
@@ -101,33 +100,13 @@ class FakeEngine:
         self.moe_layer_ids = self.config.moe_layer_ids
         self.weight_version, self.batches, self.gate, self.warm_gate = 0, [], None, None
         self.stats = {"requests": 0}
-        self.warmed_up, self.cancelled = False, 0
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_batch_size)
+        self.warmed_up = False
 
     def warmup(self):
         if self.warm_gate is not None:
             self.warm_gate.wait(30)
         self.warmed_up = True
         return {"programs": 0, "seconds": 0.0}
-
-    def submit(self, request):
-        """A future that stays cancellable until its output is ready (like the engine's)."""
-        import concurrent.futures
-
-        request.validate(vocab_size=self.config.vocab_size, max_seq_len=self.max_seq_len)
-        fut = concurrent.futures.Future()
-
-        def run():
-            try:
-                out = self.generate([request])[0]
-                fut.set_result(out)
-            except concurrent.futures.InvalidStateError:  # cancelled meanwhile
-                self.cancelled += 1
-            except ValueError as e:
-                fut.set_exception(e)
-
-        self._pool.submit(run)
-        return fut
 
     def generate(self, requests):
         from r3jax.engine import GenerateOutput
