@@ -4,11 +4,12 @@
 
 1. **Agents over HTTP.** ``python -m r3jax serve`` (tiny, 32 slots, prefix cache on) twice: continuous
    (default) and ``--static`` (the old behaviour: a batch is admitted only when every slot is free and
-   decodes to completion; same programs). Async multi-turn agents with a long-tailed generation-length
-   mix (``LONG`` agents generate ``LONG_GEN`` tokens a turn, ``SHORT`` agents ``SHORT_GEN``; 8 new user
-   tokens a turn; greedy; routes returned incrementally) run against each. Figures: wall seconds,
-   generated tokens/s, continuous ÷ static, and mix ÷ the long agents alone (how much the short ones
-   slow the long ones down).
+   decodes to completion; same programs). Async multi-turn agents (8 new user tokens a turn, greedy,
+   routes returned incrementally from the last captured row) run against each: ``LONG`` long sessions
+   (every turn ``LONG_GEN`` tokens) and ``MIXED`` agents whose every turn draws its length from a
+   long-tailed mix (``TURN_GEN`` with probabilities ``TURN_P``). Figures: wall seconds, generated
+   tokens/s, continuous ÷ static on the whole mix, and mix ÷ the long sessions alone (how much the
+   other agents slow the long sessions down).
 2. **32 concurrent ÷ 1** (in process, warm): wall time of 32 requests submitted at once ÷ one request
    alone (20-token prompt, 64 new tokens).
 3. **Time to first token** under that load (submit -> first token sampled at admission), p50 / p99.
@@ -34,7 +35,8 @@ import threading
 import time
 from pathlib import Path
 
-CACHE = Path(tempfile.mkdtemp(prefix="r3jax-bench-engine-cache-"))  # fresh: the first warm-up is cold
+# fresh (so the first warm-up is cold) unless R3JAX_BENCH_CACHE names one to reuse
+CACHE = Path(os.environ.get("R3JAX_BENCH_CACHE") or tempfile.mkdtemp(prefix="r3jax-bench-engine-cache-"))
 os.environ.update({"JAX_COMPILATION_CACHE_DIR": str(CACHE), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "JAX_PLATFORMS": "cpu"})
 
@@ -45,9 +47,10 @@ from experiments.common import table, write_json  # noqa: E402
 
 SLOTS, MAX_SEQ = 32, 384
 SERVER_ARGS = ["--model", "tiny", "--max-batch-size", str(SLOTS), "--max-seq-len", str(MAX_SEQ)]
-LONG, LONG_GEN, LONG_TURNS = 6, 96, 3
-SHORT, SHORT_GEN, SHORT_TURNS = 26, 8, 6
 FIRST, USER = 16, 8
+LONG, LONG_TURNS, LONG_GEN = 4, 3, 96  # long sessions: every turn generates LONG_GEN tokens
+MIXED, MIXED_TURNS = 28, 8  # the other agents: each turn's length drawn from a long-tailed mix
+TURN_GEN, TURN_P = (8, 24, 96), (0.8, 0.12, 0.08)
 
 
 class Server:
@@ -90,14 +93,19 @@ class Server:
         self.proc.wait(60)
 
 
-async def agent(client: httpx.AsyncClient, url: str, seed: int, turns: int, gen: int) -> int:
+async def agent(client: httpx.AsyncClient, url: str, seed: int, turns: int, gen: int | None) -> int:
+    """One multi-turn session; ``gen=None`` draws each turn's length from TURN_GEN / TURN_P. Returns the
+    tokens generated."""
     rng = np.random.default_rng(seed)
     history, captured, generated = rng.integers(0, 272, FIRST).tolist(), 0, 0
     for t in range(turns):
         if t:
             history += rng.integers(0, 272, USER).tolist()
+        n = gen if gen is not None else int(rng.choice(TURN_GEN, p=TURN_P))
+        if len(history) + n > MAX_SEQ:
+            break  # the session is full
         body = {"prompt_ids": history, "return_routed_experts": True, "session_id": f"agent-{seed}",
-                "sampling_params": {"max_tokens": gen, "temperature": 0.0, "routed_experts_prompt_start": captured}}
+                "sampling_params": {"max_tokens": n, "temperature": 0.0, "routed_experts_prompt_start": captured}}
         r = await client.post(url + "/v1/generate", json=body, timeout=600)
         r.raise_for_status()
         out = r.json()
@@ -109,7 +117,7 @@ async def agent(client: httpx.AsyncClient, url: str, seed: int, turns: int, gen:
 
 
 async def run_agents(url: str, kinds: list[tuple[int, int, int]]) -> dict:
-    """kinds: (count, turns, gen) per kind of agent; all run concurrently."""
+    """kinds: (count, turns, gen or None) per kind of agent; all run concurrently."""
     limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
     async with httpx.AsyncClient(limits=limits) as client:
         jobs, seed = [], 0
@@ -125,7 +133,7 @@ async def run_agents(url: str, kinds: list[tuple[int, int, int]]) -> dict:
 
 def bench_agents(quick: bool) -> tuple[list[dict], dict]:
     long_kind = (LONG, LONG_TURNS, LONG_GEN)
-    short_kind = (SHORT, SHORT_TURNS if not quick else 3, SHORT_GEN)
+    short_kind = (MIXED, MIXED_TURNS if not quick else 4, None)
     rows, warm = [], {}
     for mode, extra in (("continuous", ()), ("static", ("--static",))):
         srv = Server(*extra)
@@ -134,8 +142,12 @@ def bench_agents(quick: bool) -> tuple[list[dict], dict]:
             asyncio.run(run_agents(srv.url, [(2, 1, 4)]))  # untimed: connections, first admissions
             before = srv.stats()["engine"]["compiled_programs"]
             for workload, kinds in (("mix", [long_kind, short_kind]), ("long only", [long_kind])):
+                e0 = srv.stats()["engine"]
                 r = asyncio.run(run_agents(srv.url, kinds))
-                rows.append({"server": mode, "workload": workload, **r})
+                e1 = srv.stats()["engine"]
+                calls = e1["decode_calls"] - e0["decode_calls"]
+                rows.append({"server": mode, "workload": workload, **r, "decode_calls": calls,
+                             "mean_live_slots": (e1["decode_slot_steps"] - e0["decode_slot_steps"]) / max(calls, 1)})
                 print(rows[-1], flush=True)
             warm[mode]["compiled_after_warmup"] = srv.stats()["engine"]["compiled_programs"] - before
         finally:
@@ -259,14 +271,20 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--agents-only", action="store_true")
     args = ap.parse_args()
     t0 = time.perf_counter()
     agent_rows, agents = bench_agents(args.quick)
+    if args.agents_only:
+        print(table(agent_rows, ["server", "workload", "wall_s", "tokens", "tok_s", "decode_calls", "mean_live_slots"]))
+        print(agents)
+        return
     proc = bench_in_process(200 if args.quick else 1000)
     decode = [] if args.skip_decode else bench_decode(("tiny",) if args.quick else ("tiny", "small_100m"),
                                                       (1, 8, 32))
-    print("\n## Async multi-turn agents over HTTP (tiny, 32 slots; long-tailed mix)")
-    print(table(agent_rows, ["server", "workload", "wall_s", "tokens", "tok_s"]))
+    print(f"\n## Async multi-turn agents over HTTP (tiny, {SLOTS} slots; {LONG} long sessions of {LONG_TURNS} x "
+          f"{LONG_GEN} tokens + {MIXED} agents x {MIXED_TURNS} turns of {TURN_GEN} tokens w.p. {TURN_P})")
+    print(table(agent_rows, ["server", "workload", "wall_s", "tokens", "tok_s", "decode_calls", "mean_live_slots"]))
     print(f"\ncontinuous / static tokens/s (mix): {agents['continuous_over_static_tok_s']:.2f}x (goal >= 3)")
     print(f"mix / long agents alone (wall): continuous {agents['mix_over_long_alone_continuous']:.2f}x "
           f"(goal <= 1.3), static {agents['mix_over_long_alone_static']:.2f}x")
@@ -285,7 +303,7 @@ def main():
     write_json("bench_engine", {"quick": args.quick, "agents": agent_rows, "agents_summary": agents,
                                 "in_process": proc, "decode": decode, "total_s": total,
                                 "workload": {"slots": SLOTS, "max_seq_len": MAX_SEQ, "long": [LONG, LONG_TURNS, LONG_GEN],
-                                             "short": [SHORT, SHORT_TURNS, SHORT_GEN], "first": FIRST, "user": USER}})
+                                             "mixed": [MIXED, MIXED_TURNS, TURN_GEN, TURN_P], "first": FIRST, "user": USER}})
 
 
 if __name__ == "__main__":

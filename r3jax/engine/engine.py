@@ -105,6 +105,8 @@ class Engine:
                                                                           * cfg.vocab_size))))
         self._chunk_buckets = buckets(min(pow2_at_most(min_prefill_chunk), t_hi), t_hi)
         self._read_buckets = buckets(min(16, lo), self.seq_len)
+        # live-slot counts a decode program is compiled for: B, B/4, B/16, ... (>= 1)
+        self._live_buckets = sorted({max(1, max_batch_size >> (2 * i)) for i in range(8)})
 
         _, params, rest = nnx.split(model, nnx.Param, ...)
         if overrides:  # same parameter tree, programs traced with the overridden config
@@ -356,13 +358,16 @@ class Engine:
             temperature=field("temperature", 0.0, np.float32), top_k=field("top_k", 0, np.int32),
             top_p=field("top_p", 1.0, np.float32), key_data=key_data, stop_ids=stop_ids)
 
-    def decode(self, live: dict[int, Job], n_gen: np.ndarray, evict: np.ndarray):
-        """One decode call over every slot; returns ``(n_gen [B], done [B])`` on the host."""
+    def decode(self, live: dict[int, Job], n_gen: np.ndarray):
+        """One decode call over the live slots; returns ``(n_gen [B], done [B])`` on the host."""
         need = max(min(len(j.prompt) + int(n_gen[s]) + self.decode_steps, len(j.prompt) + j.request.max_tokens)
                    for s, j in live.items())
         window = bucket(need, self._seq_buckets)
-        self._state = self._run("decode", window, lambda: self._build_decode(window), self._params, self._rest,
-                                self._state, self.placement.put(evict))
+        n = bucket(len(live), self._live_buckets)
+        idx = np.full((n,), self.max_batch_size, np.int32)
+        idx[:len(live)] = sorted(live)
+        self._state = self._run("decode", (n, window), lambda: self._build_decode(window), self._params, self._rest,
+                                self._state, self.placement.put(idx))
         c = self._counters
         c["decode_calls"] += 1
         c["max_live_slots"] = max(c["max_live_slots"], len(live))

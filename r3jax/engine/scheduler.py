@@ -56,7 +56,6 @@ class Scheduler:
         b = engine.max_batch_size
         self.slots: list[Job | None] = [None] * b
         self.n_gen = np.zeros((b,), np.int32)
-        self.evict = np.zeros((b,), bool)
         self.waiting: collections.deque[Job] = collections.deque()
         self.controls: collections.deque[_Control] = collections.deque()
         self.cond = threading.Condition()
@@ -143,8 +142,7 @@ class Scheduler:
             self.waiting = collections.deque(kept)
         for s, job in enumerate(self.slots):
             if job is not None and job.future.cancelled():
-                self._free(s)
-                self.evict[s] = True
+                self._free(s)  # not passed to the next decode call: it stops there
                 self.engine._counters["cancelled"] += 1
 
     def _admit(self) -> None:
@@ -166,7 +164,6 @@ class Scheduler:
                 job.version = eng.weight_version
                 self.slots[s] = job
                 self.n_gen[s] = 1
-                self.evict[s] = False
             try:
                 eng.prefill(take, slot_ids)
             except Exception:
@@ -180,8 +177,7 @@ class Scheduler:
     def _decode(self) -> None:
         eng = self.engine
         live = {s: j for s, j in enumerate(self.slots) if j is not None}
-        n_gen, done = eng.decode(live, self.n_gen, self.evict)
-        self.evict[:] = False
+        n_gen, done = eng.decode(live, self.n_gen)
         self.n_gen[:] = n_gen
         eng._counters["decode_slot_steps"] += len(live)
         for s, job in live.items():
@@ -197,7 +193,6 @@ class Scheduler:
         for s, job in enumerate(self.slots):
             if job is not None:
                 self._free(s)
-                self.evict[s] = True
                 if isinstance(err, EngineAborted):
                     self.engine._counters["aborted"] += 1
                 _settle(job.future, error=err)

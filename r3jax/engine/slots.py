@@ -11,9 +11,10 @@ updates. Layout (B slots, S = cache length, L MoE layers, K experts per token):
   ``n_gen``, ``done``, ``stopped`` and the request's parameters (:class:`SlotParams`).
 
 Prefill runs on a scratch cache [N, Sp] (Sp a bucket of the prompt length; prefix-cache blocks are
-loaded into it first), then :func:`sample_first` samples each row's first token and :func:`insert` copies the scratch
-rows into their slots. :func:`decode` advances every live slot by up to ``steps`` tokens, attending over only
-the first ``window`` positions (a bucket of the longest live slot). Position ``window - 1`` (``Sp - 1``
+loaded into it first), then :func:`sample_first` samples each row's first token and :func:`insert`
+copies the scratch rows into their slots. :func:`decode` advances every live slot by up to ``steps``
+tokens on a compact copy of the live slots (a bucket of their count), attending over only the first
+``window`` positions (a bucket of the longest live slot). Position ``window - 1`` (``Sp - 1``
 in prefill) is the trash position: padding and idle slots are fed there, and the host picks buckets so
 that no real token is ever fed at it.
 """
@@ -131,42 +132,49 @@ def insert(state: SlotState, cache: KVCache, routes, first, first_lp, slot, new:
 
 
 # ---- decode ----------------------------------------------------------------------------------
-def decode(graphdef, params, rest, state: SlotState, evict, *, steps: int, window: int) -> SlotState:
-    """Advance every live slot by up to ``steps`` tokens (a ``lax.while_loop`` that stops early once
-    every slot is done). evict [B] bool: slots to stop first (cancelled requests).
+def decode(graphdef, params, rest, state: SlotState, idx, *, steps: int, window: int) -> SlotState:
+    """Advance the slots ``idx`` [n] int32 (every live slot; == B: padding) by up to ``steps`` tokens,
+    in a ``lax.while_loop`` that stops early once all of them are done.
 
-    Attention reads positions ``[0, window)`` only: the loop carries that window of the cache and
-    writes it back at the end. The host guarantees every live slot stays below ``window - 1``.
+    The loop runs on a compact copy of those n slots (the model sees [n, ...], so the cost follows the
+    live slots, not B) and attends over positions ``[0, window)`` only; the copy is written back at the
+    end. The host guarantees every live slot stays below ``window - 1``, the trash position.
     """
     model = nnx.merge(graphdef, params, rest)
-    p = state.params
     b, s = state.tokens.shape
-    batch = jnp.arange(b)
+    valid = idx < b
+    row = jnp.minimum(idx, b - 1)  # padding computes on a copy of some slot; its writes are dropped
+    p = jax.tree.map(lambda x: x[row], state.params)
     trash = window - 1
-    view = KVCache(k=tuple(x[:, :window] for x in state.cache.k), v=tuple(x[:, :window] for x in state.cache.v))
+    view = KVCache(k=tuple(x[row, :window] for x in state.cache.k), v=tuple(x[row, :window] for x in state.cache.v))
+    carry = (0, state.last[row], state.n_gen[row], state.done[row] | ~valid, state.stopped[row],
+             state.tokens, state.logprobs, state.routes, view)
 
-    def body(carry):
-        i, st, cache = carry
-        active = ~st.done
-        pos = jnp.where(active, p.prompt_len + st.n_gen - 1, trash)
-        out = model(st.last[:, None], pos[:, None], cache=cache)
-        routes = st.routes.at[batch, jnp.where(active, pos, s - 1)].set(out.routes[:, 0].astype(st.routes.dtype))
+    def body(c):
+        i, last, n_gen, done, stopped, tokens, logprobs, routes, cache = c
+        active = ~done
+        pos = jnp.where(active, p.prompt_len + n_gen - 1, trash)
+        out = model(last[:, None], pos[:, None], cache=cache)
+        at = jnp.where(active, idx, b)  # finished and padding rows write nothing
+        routes = routes.at[at, pos].set(out.routes[:, 0].astype(routes.dtype), mode="drop")
         logits = out.logits[:, 0]
-        tok = sample_tokens(logits, p.key_data, st.n_gen, p.temperature, p.top_k, p.top_p)
+        tok = sample_tokens(logits, p.key_data, n_gen, p.temperature, p.top_k, p.top_p)
         lp = token_logprobs(logits, tok)
-        col = jnp.where(active, st.n_gen, s - 1)  # done slots write to a scratch column
-        n_gen = st.n_gen + active.astype(jnp.int32)
+        tokens = tokens.at[at, n_gen].set(tok, mode="drop")
+        logprobs = logprobs.at[at, n_gen].set(lp, mode="drop")
+        n_gen = n_gen + active.astype(jnp.int32)
         stop = active & _is_stop(p.stop_ids, tok)
-        st = st.replace(routes=routes, tokens=st.tokens.at[batch, col].set(tok),
-                        logprobs=st.logprobs.at[batch, col].set(lp), last=jnp.where(active, tok, st.last),
-                        n_gen=n_gen, done=st.done | stop | (n_gen >= p.max_new), stopped=st.stopped | stop)
-        return i + 1, st, out.cache
+        return (i + 1, jnp.where(active, tok, last), n_gen, done | stop | (n_gen >= p.max_new), stopped | stop,
+                tokens, logprobs, routes, out.cache)
 
-    state = state.replace(done=state.done | evict)
-    _, state, view = jax.lax.while_loop(lambda c: (c[0] < steps) & jnp.any(~c[1].done), body, (0, state, view))
-    put = lambda full, part: full.at[:, :window].set(part)
+    _, last, n_gen, done, stopped, tokens, logprobs, routes, view = jax.lax.while_loop(
+        lambda c: (c[0] < steps) & jnp.any(~c[3]), body, carry)
+    back = lambda full, part: full.at[idx].set(part, mode="drop")
+    put = lambda full, part: full.at[idx, :window].set(part, mode="drop")
     cache = KVCache(k=tuple(map(put, state.cache.k, view.k)), v=tuple(map(put, state.cache.v, view.v)))
-    return state.replace(cache=cache)
+    return state.replace(cache=cache, routes=routes, tokens=tokens, logprobs=logprobs, last=back(state.last, last),
+                         n_gen=back(state.n_gen, n_gen), done=back(state.done, done),
+                         stopped=back(state.stopped, stopped))
 
 
 def progress(state: SlotState):

@@ -44,9 +44,10 @@ def compile_all(engine) -> int:
             first_lp = jax.ShapeDtypeStruct((rows,), np.float32, sharding=rep)
             e.programs.get("insert", (rows, sp), e._build_insert, e._state, cache, routes, first, first_lp,
                            i32(rows), new)
-    evict = put(np.zeros((e.max_batch_size,), bool))
-    for window in e._seq_buckets:
-        e.programs.get("decode", window, lambda: e._build_decode(window), e._params, e._rest, e._state, evict)
+    for n in e._live_buckets:
+        for window in e._seq_buckets:
+            e.programs.get("decode", (n, window), lambda: e._build_decode(window), e._params, e._rest, e._state,
+                           i32(n))
     for length in e._read_buckets:
         e.programs.get("read", length, lambda: e._build_read(length), e._state, put(np.int32(0)),
                        put(np.int32(0)))

@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.compilation_cache is not None:
         use_compilation_cache(args.compilation_cache)
+    # The engine thread hands the GIL to the event loop around every device call; with the default 5 ms
+    # switch interval each hand-back can wait that long while HTTP work runs, stalling every slot.
+    sys.setswitchinterval(0.0005)
     try:
         engine = build_engine(args)
     except (ValueError, FileNotFoundError) as e:  # a bad --model / --config: say so, no traceback
