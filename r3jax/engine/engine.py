@@ -105,8 +105,8 @@ class Engine:
                                                                           * cfg.vocab_size))))
         self._chunk_buckets = buckets(min(pow2_at_most(min_prefill_chunk), t_hi), t_hi)
         self._read_buckets = buckets(min(16, lo), self.seq_len)
-        # live-slot counts a decode program is compiled for: B, B/4, B/16, ... (>= 1)
-        self._live_buckets = sorted({max(1, max_batch_size >> (2 * i)) for i in range(8)})
+        # live-slot counts a decode program is compiled for: B, B/2, B/4, B/8 (>= 1)
+        self._live_buckets = sorted({max(1, max_batch_size >> i) for i in range(4)})
 
         _, params, rest = nnx.split(model, nnx.Param, ...)
         if overrides:  # same parameter tree, programs traced with the overridden config
@@ -311,7 +311,7 @@ class Engine:
         hits = [self._prefix.match(p) for p in prompts]
         cached = [len(h) * bs for h in hits]
         plan = self._prefix.load_plan(hits, rows, sp)
-        args = ((self._prefix.pool,) if self._prefix.enabled else ()) + tuple(put(a) for a in plan)
+        args = ((self._prefix.pool,) if self._prefix.enabled else ()) + tuple(put(tuple(plan)))
         cache, routes = self._run("begin", (rows, sp, self._prefix.capacity), lambda: self._build_begin(rows, sp), *args)
         todo = [len(p) - c for p, c in zip(prompts, cached)]
         t = min(bucket(max(todo), self._chunk_buckets), sp)
@@ -329,13 +329,13 @@ class Engine:
                         last[r] = hi - lo - 1
             cache, routes, logits = self._run(
                 "prefill", (rows, t, sp), lambda: self._build_prefill(rows, sp), self._params, self._rest, cache,
-                routes, put(tokens), put(positions), put(last), logits)
+                routes, *put((tokens, positions, last)), logits)
         slot_arr = np.full((rows,), self.max_batch_size, np.int32)
         slot_arr[:n] = slot_ids
-        new = jax.tree.map(put, self._slot_params(jobs, rows))
+        slot_dev, new = put((slot_arr, self._slot_params(jobs, rows)))  # one transfer call
         first, first_lp = self._run("first", rows, self._build_first, logits, new)
         self._state = self._run("insert", (rows, sp), self._build_insert, self._state, cache, routes, first,
-                                first_lp, put(slot_arr), new)
+                                first_lp, slot_dev, new)
         for job, c in zip(jobs, cached):
             job.cached = c
         c = self._counters
@@ -383,8 +383,8 @@ class Engine:
         put = self.placement.put
         t0 = time.perf_counter()
         tokens, logprobs, stopped, routes = jax.device_get(self._run(
-            "read", length, lambda: self._build_read(length), self._state, put(np.int32(slot)),
-            put(np.int32(s if req.return_routed_experts else 0))))
+            "read", length, lambda: self._build_read(length), self._state,
+            *put((np.int32(slot), np.int32(s if req.return_routed_experts else 0)))))
         routed = None
         if req.return_routed_experts:
             routed = np.ascontiguousarray(routes[:rows])
@@ -393,7 +393,7 @@ class Engine:
         plan = self._prefix.store_plan(np.concatenate([job.prompt, tokens[:g - 1]]), slot, self.seq_len)
         if plan is not None:
             self._prefix.pool = self._run("store", self._prefix.capacity, self._build_store, self._prefix.pool, self._state.cache,
-                                          self._state.routes, *(put(a) for a in plan))
+                                          self._state.routes, *put(tuple(plan)))
         c = self._counters
         c["requests"] += 1
         c["generated_tokens"] += g
