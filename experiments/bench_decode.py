@@ -94,7 +94,7 @@ def _load_hf(model):
 def _kernels(cfg) -> list[str]:
     """The expert kernels this checkout's MoeConfig accepts."""
     ok = []
-    for impl in ("dense", "ragged", "loop"):
+    for impl in ("dense", "ragged", "loop", "gather"):
         try:
             cfg.replace(moe_impl=impl)
             ok.append(impl)

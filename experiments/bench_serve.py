@@ -5,8 +5,9 @@
 One run measures both sides with the same weights (tiny model, seed 0) and the same workload: N
 requests of random 20-token prompts, ``max_tokens`` new tokens (sampled, fixed seeds, no stop
 token), routes for every row (s = 0), binary route framing. Both engines run without the prefix
-cache (independent requests; repeated passes must not turn into cache hits) and are warmed up with
-one batch of every batch-size bucket (``--warmup``), so no pass compiles.
+cache (independent requests; repeated passes must not turn into cache hits) and are warmed up
+(``Engine.warmup``: every program of the configuration; the server does it before /health is 200), so
+no pass compiles.
 
 - HTTP: ``python -m r3jax serve`` in a subprocess (max batch 32); one long-lived
   ``RemoteInferenceClient`` per c (``max_concurrency`` = c, connections kept alive across passes)
@@ -47,7 +48,6 @@ import httpx  # noqa: E402
 from experiments.common import table, write_json  # noqa: E402
 from r3jax.engine import Engine, GenerateRequest  # noqa: E402
 from r3jax.serve import RemoteInferenceClient  # noqa: E402
-from r3jax.serve import server as server_lib  # noqa: E402
 from r3jax.serve.protocol import BINARY_MEDIA_TYPE  # noqa: E402
 
 MAX_BATCH, MAX_SEQ, PROMPT = 32, 128, 20
@@ -55,8 +55,7 @@ MAX_BATCH, MAX_SEQ, PROMPT = 32, 128, 20
 
 def start_server(max_tokens: int) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "r3jax", "serve", "--model", "tiny", "--host", "127.0.0.1", "--port", "0",
-           "--max-batch-size", str(MAX_BATCH), "--max-seq-len", str(MAX_SEQ), "--prefix-cache-mb", "0",
-           "--warmup", f"{PROMPT}:{max_tokens}"]
+           "--max-batch-size", str(MAX_BATCH), "--max-seq-len", str(MAX_SEQ), "--prefix-cache-mb", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "XLA_FLAGS": ""})
     line = ""
@@ -140,7 +139,7 @@ def main():
     try:
         engine = Engine(MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0)), max_seq_len=MAX_SEQ,
                         max_batch_size=MAX_BATCH, prefix_cache_bytes=0)
-        server_lib.warmup(engine, PROMPT, max_tokens)
+        engine.warmup()
         info = httpx.get(url + "/v1/model").json()
         reqs = workload(n, max_tokens, info["vocab_size"])
         single = reqs[: n // 2]  # c = 1 runs half the requests (it is the slow case)

@@ -8,6 +8,11 @@ from typing import Any
 import jax.numpy as jnp
 
 
+# expert kernels (models/moe.py): "ragged" dropless grouped matmul, "dense" one-hot reference, "loop"
+# per-expert loop skipping unchosen experts, "gather" each chosen expert on only its tokens (decode on CPU)
+MOE_IMPLS = ("ragged", "dense", "loop", "gather")
+
+
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
     """Hyper-parameters of a decoder-only MoE transformer (Qwen3-MoE architecture).
@@ -46,7 +51,7 @@ class MoeConfig:
             ("top_k", 1 <= self.top_k <= self.num_experts, f"in [1, num_experts={self.num_experts}]"),
             ("first_dense_layers", 0 <= self.first_dense_layers <= self.num_layers,
              f"in [0, num_layers={self.num_layers}]"),
-            ("moe_impl", self.moe_impl in ("ragged", "dense", "loop"), "'ragged', 'dense' or 'loop'"),
+            ("moe_impl", self.moe_impl in MOE_IMPLS, "one of " + ", ".join(map(repr, MOE_IMPLS))),
             ("head_dim", self.head_dim % 2 == 0, "even (RoPE rotates pairs)"),
         ]
         for name, ok, expected in checks:

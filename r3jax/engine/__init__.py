@@ -1,11 +1,15 @@
-"""Rollout engine: batched, jitted generation that records the routed experts of every token.
+"""Rollout engine: continuous batching over decode slots, jitted programs compiled ahead of time, and
+the routed experts of every token recorded.
 
     from r3jax.engine import Engine, GenerateRequest
     engine = Engine(model, max_seq_len=512, max_batch_size=8)
-    [out] = engine.generate([GenerateRequest(prompt_ids=[1, 2, 3], return_routed_experts=True)])
+    engine.warmup()                                     # compile every program once
+    fut = engine.submit(GenerateRequest(prompt_ids=[1, 2, 3], return_routed_experts=True))
+    out = fut.result()                                  # or: [out] = engine.generate([...])
 """
 
 from r3jax.engine.engine import Engine
+from r3jax.engine.errors import Aborted, EngineAborted, EngineClosed
 from r3jax.engine.request import GenerateOutput, GenerateRequest
 
-__all__ = ["Engine", "GenerateOutput", "GenerateRequest"]
+__all__ = ["Aborted", "Engine", "EngineAborted", "EngineClosed", "GenerateOutput", "GenerateRequest"]

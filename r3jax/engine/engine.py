@@ -1,11 +1,17 @@
-"""The rollout engine: validates requests, batches and buckets them, runs the device programs, and
-returns tokens, logprobs and the route rows past each request's prompt start."""
+"""The rollout engine: continuous batching over fixed decode slots, every device program compiled
+ahead of time, parameters and slot state placed on an optional mesh.
+
+The public surface is :class:`Engine` (``submit`` / ``submit_async`` / ``generate`` / ``set_weights``
+/ ``warmup``); the scheduling loop lives in :mod:`r3jax.engine.scheduler`, the device programs in
+:mod:`r3jax.engine.slots`, shape buckets and the program registry in :mod:`r3jax.engine.programs`.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import functools
-import threading
-import types
+import time
 from typing import Sequence
 
 import jax
@@ -13,49 +19,69 @@ import numpy as np
 from flax import nnx
 
 from models import MoeTransformer
-from r3jax.engine import decode as dev
-from r3jax.engine.prefix_cache import PrefixCache
-from r3jax.engine.programs import CountedJit, pow2_at_least, pow2_at_most, round_up
+from r3jax.checks import FieldError, check_int
+from r3jax.engine import slots as dev
+from r3jax.engine.prefix_cache import PrefixCache, init_pool, store_blocks
+from r3jax.engine.programs import Programs, bucket, buckets, pow2_at_least, pow2_at_most, round_up
 from r3jax.engine.request import GenerateOutput, GenerateRequest
 from r3jax.engine.sampling import seed_words
+from r3jax.engine.scheduler import Job, Scheduler
+from r3jax.engine.sharding import Placement
 from r3jax.routes import route_dtype
 
-
-_LOGITS_BYTES = 256 << 20  # most prefill logits held at once
+_LOGITS_BYTES = 256 << 20  # most prefill logits [N, T, V] f32 held at once
 
 
 class Engine:
-    """Batched, jitted generation over a :class:`models.MoeTransformer` that records routes.
+    """Continuous-batching generation over a :class:`models.MoeTransformer` that records routes.
 
-    ``generate(requests)`` takes any number of requests and runs them in batches of at most
-    ``max_batch_size``. The batch size, the prefill chunk and the cache length are bucketed to powers
-    of two, so the number of compiled programs stays small and bounded (``stats["compiled_programs"]``).
+    ``max_batch_size`` decode slots live on device (KV cache, route buffer, sampling state). A
+    scheduler thread admits waiting requests into free slots (chunked prefill, prefix-cache blocks
+    first), advances every live slot ``decode_steps`` tokens per device call, and hands back each
+    request as soon as it finishes (its slot is reused at once). The set of device programs is fixed by
+    this configuration; :meth:`warmup` compiles all of them and ``stats["compiled_programs"]`` never
+    changes afterwards.
 
     Args:
       model: the model; its parameters are copied (a trainer may donate or update its own).
       max_seq_len: longest prompt + max_tokens accepted.
-      max_batch_size: most requests decoded together.
+      max_batch_size: decode slots.
       prefix_cache_bytes: device memory for the prefix cache (KV + route rows); 0 turns it off.
       dtype: compute dtype override (e.g. bf16 rollouts of an fp32 model); None keeps the model's.
-      moe_impl: expert kernel of the engine's own programs (any MoeConfig.moe_impl); None picks the
-        fastest decode kernel on CPU ("loop" where the model offers it, else "dense") and keeps the
-        model's elsewhere. Routes are the router's choice either way; only float summation order
-        differs.
-      block_size: tokens per prefix-cache block.
+      moe_impl: expert kernel of the engine's programs; None picks "gather" on CPU (the fastest
+        measured there, experiments/bench_decode.py) and keeps the model's elsewhere.
+      block_size: tokens per prefix-cache block (the cache length is a multiple of it).
       prefill_chunk: most prompt tokens fed per prefill call (longer prompts take several calls).
-      min_seq_bucket: smallest cache length bucket.
+      min_prefill_chunk: smallest prefill chunk bucket (chunks are powers of two in between; fewer
+        buckets, fewer programs to compile).
+      prefill_rows: most requests prefilled together (default min(max_batch_size, 8)).
+      min_seq_bucket: smallest prompt / attention-window bucket.
+      decode_steps: tokens per slot per decode call (amortises the host round trip).
+      max_stop_tokens: most stop token ids per request.
+      mesh: a device mesh with axes among (data, tensor, expert) (:mod:`r3jax.engine.sharding`).
+      static: admit requests only when every slot is free (the old static-batch behaviour, kept for
+        comparisons).
       seed: seeds the draws of per-request seeds for requests with ``seed=None``.
     """
 
     def __init__(self, model: MoeTransformer, *, max_seq_len: int, max_batch_size: int,
                  prefix_cache_bytes: int = 64 << 20, dtype=None, moe_impl: str | None = None,
-                 block_size: int = 16, prefill_chunk: int = 256, min_seq_bucket: int = 64,
-                 seed: int | None = None):
+                 block_size: int = 16, prefill_chunk: int = 256, min_prefill_chunk: int = 64,
+                 prefill_rows: int | None = None,
+                 min_seq_bucket: int = 64, decode_steps: int = 8, max_stop_tokens: int = 64, mesh=None,
+                 static: bool = False, seed: int | None = None):
+        if prefill_rows is None and isinstance(max_batch_size, int) and not isinstance(max_batch_size, bool):
+            prefill_rows = min(max_batch_size, 8)
         for name, value, lo in [("max_seq_len", max_seq_len, 2), ("max_batch_size", max_batch_size, 1),
                                 ("prefix_cache_bytes", prefix_cache_bytes, 0), ("block_size", block_size, 1),
-                                ("prefill_chunk", prefill_chunk, 1), ("min_seq_bucket", min_seq_bucket, 1)]:
-            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-                raise ValueError(f"Engine {name}={value!r}: expected an int >= {lo}")
+                                ("prefill_chunk", prefill_chunk, 1), ("min_prefill_chunk", min_prefill_chunk, 1),
+                                ("prefill_rows", prefill_rows, 1),
+                                ("min_seq_bucket", min_seq_bucket, 1), ("decode_steps", decode_steps, 1),
+                                ("max_stop_tokens", max_stop_tokens, 1)]:
+            try:
+                check_int(name, value, lo=lo)
+            except FieldError as e:
+                raise FieldError(e.field, value, e.expected, f"Engine {e.message}") from None
         if moe_impl is None and jax.default_backend() == "cpu":
             moe_impl = _cpu_moe_impl(model.config)
         overrides = {k: v for k, v in (("dtype", dtype), ("moe_impl", moe_impl)) if v is not None}
@@ -64,28 +90,46 @@ class Engine:
         self.config = cfg
         self.max_seq_len, self.max_batch_size = max_seq_len, max_batch_size
         self.block_size, self.prefill_chunk, self.min_seq_bucket = block_size, prefill_chunk, min_seq_bucket
+        self.decode_steps, self.max_stop_tokens, self.static = decode_steps, max_stop_tokens, bool(static)
         self.route_dtype = route_dtype(cfg.num_experts)
         self.weight_version = 0
+        self.placement = Placement(mesh, cfg)
+
+        # shapes: every bucket is fixed here, so the set of programs is too
+        self.seq_len = round_up(max_seq_len, block_size)  # S > every fed position (the last is P + G - 2)
+        lo = pow2_at_most(max(1, min(min_seq_bucket, self.seq_len)))
+        # prompt buckets (Sp) and attention windows: whole prefix-cache blocks, at most S
+        self._seq_buckets = sorted({min(round_up(b, block_size), self.seq_len) for b in buckets(lo, self.seq_len)})
+        self._row_buckets = sorted({1, min(prefill_rows, max_batch_size)})
+        t_hi = pow2_at_most(max(16, min(prefill_chunk, _LOGITS_BYTES // (4 * max(self._row_buckets)
+                                                                          * cfg.vocab_size))))
+        self._chunk_buckets = buckets(min(pow2_at_most(min_prefill_chunk), t_hi), t_hi)
+        self._read_buckets = buckets(min(16, lo), self.seq_len)
+        # live-slot counts a decode program is compiled for: B, B/2, B/4, B/8 (>= 1)
+        self._live_buckets = sorted({max(1, max_batch_size >> i) for i in range(4)})
 
         _, params, rest = nnx.split(model, nnx.Param, ...)
         if overrides:  # same parameter tree, programs traced with the overridden config
             model = nnx.eval_shape(lambda: MoeTransformer(cfg, rngs=nnx.Rngs(0)))
         graphdef, _, _ = nnx.split(model, nnx.Param, ...)
-        self._params, self._rest = _copy(params), rest
-
-        self._signatures: set = set()
-        jit = lambda fn, name, **kw: CountedJit(fn, name, self._signatures, **kw)
-        shared = _programs(graphdef, cfg, self.route_dtype)
-        self._init = jit(shared.init, "init_buffers", static_argnames=("batch", "seq_len"))
-        self._prefill = jit(shared.prefill, "prefill", static_argnames=("capture",))
-        self._decode = jit(shared.decode, "decode", static_argnames=("capture",))
-        self._read = jit(_read_routes, "read_routes", static_argnames=("length",))
-        self._prefix = PrefixCache(cfg, self.route_dtype, block_size=block_size,
-                                   budget_bytes=prefix_cache_bytes, jit=jit)
-        self._lock = threading.Lock()
+        self._graphdef = graphdef
+        self._params = self.placement.params(params)
+        self._rest = jax.tree.map(lambda x: self.placement.put(np.asarray(x)), rest)
+        self._prefix = PrefixCache(cfg, self.route_dtype, block_size=block_size, budget_bytes=prefix_cache_bytes)
+        # what every program's shapes depend on (the pool capacity goes into the prefix programs' buckets)
+        key = (graphdef, cfg, self.route_dtype.name, max_batch_size, self.seq_len, max_stop_tokens, decode_steps,
+               block_size, mesh)
+        self.programs = Programs(key)
+        self._counters = dict(requests=0, prefill_calls=0, prefill_tokens=0, cached_tokens=0,
+                              padded_prefill_tokens=0, generated_tokens=0, decode_calls=0, decode_slot_steps=0,
+                              max_live_slots=0, cancelled=0, aborted=0, route_gather_s=0.0, route_rows=0,
+                              warmup_s=0.0)
+        self._ttft: list[float] = []
         self._rng = np.random.default_rng(seed)
-        self._counters = dict(requests=0, batches=0, prefill_tokens=0, cached_tokens=0,
-                              generated_tokens=0, decode_steps=0, padded_prefill_tokens=0)
+        self._state = self._init_state()
+        if self._prefix.enabled:
+            self._prefix.pool = self._run("pool_init", self._prefix.capacity, self._build_pool_init)
+        self._sched = Scheduler(self)
 
     # ---- public ------------------------------------------------------------------------------
     @property
@@ -93,112 +137,189 @@ class Engine:
         return self.config.moe_layer_ids
 
     @property
+    def warmed_up(self) -> bool:
+        return self._sched.warmed
+
+    @property
     def stats(self) -> dict:
         """Counters since construction. prefill_tokens: prompt tokens run through the model;
-        cached_tokens: prompt tokens whose KV and routes came from the prefix cache;
-        padded_prefill_tokens: prefill slots computed including bucket padding; compiled_programs:
-        distinct device programs this engine has compiled."""
-        return {**self._counters, "compiled_programs": len(self._signatures),
+        cached_tokens: prompt tokens whose KV and routes came from the prefix cache; decode_calls:
+        device calls of the decode program; compiled_programs: distinct device programs this engine
+        has compiled (fixed after :meth:`warmup`); route_gather_s / route_rows: seconds spent reading
+        route rows off the device and rows read; ttft_p50_s / ttft_p99_s: submit -> first token over
+        the last 1024 requests."""
+        ttft = np.asarray(self._ttft[-1024:]) if self._ttft else None
+        return {**self._counters, "compiled_programs": len(self.programs),
+                "live_slots": self._sched.live, "queued": self._sched.queued,
                 "prefix_cache_blocks": self._prefix.num_blocks,
                 "prefix_cache_capacity_blocks": self._prefix.capacity,
                 "prefix_cache_block_bytes": self._prefix.block_bytes,
-                "prefix_cache_evictions": self._prefix.evictions}
+                "prefix_cache_evictions": self._prefix.evictions,
+                "ttft_p50_s": None if ttft is None else float(np.percentile(ttft, 50)),
+                "ttft_p99_s": None if ttft is None else float(np.percentile(ttft, 99))}
+
+    def recent_ttft(self, n: int = 1024) -> list[float]:
+        """Seconds from submit to first token (sampled at admission) of the last ``n`` admitted requests."""
+        return list(self._ttft[-n:])
+
+    def submit(self, request: GenerateRequest) -> concurrent.futures.Future:
+        """Queue one request; returns a ``concurrent.futures.Future[GenerateOutput]``. Raises
+        :class:`r3jax.checks.FieldError` for bad input before anything is queued. ``future.cancel()``
+        drops the request (a running one frees its slot at the next decode call). The future fails
+        with :class:`r3jax.engine.EngineAborted` when a weight update aborts it (retry it)."""
+        prompt = self._validate(request)
+        seed = int(self._rng.integers(1 << 63)) if request.seed is None else int(request.seed)
+        return self._sched.submit(Job(request, prompt, seed))
+
+    async def submit_async(self, request: GenerateRequest) -> GenerateOutput:
+        """:meth:`submit` for asyncio callers; cancelling the awaiting task cancels the request."""
+        return await asyncio.wrap_future(self.submit(request))
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
         """Continue every request; outputs come back in request order. Every request is validated
-        before anything runs (ValueError naming the request index, field and value)."""
-        with self._lock:
-            if isinstance(requests, GenerateRequest) or not isinstance(requests, Sequence):
-                raise ValueError(f"requests={type(requests).__name__}: expected a list of GenerateRequest")
-            prompts = []
-            for i, req in enumerate(requests):
-                if not isinstance(req, GenerateRequest):
-                    raise ValueError(f"requests[{i}]={type(req).__name__}: expected a GenerateRequest")
-                try:
-                    prompts.append(req.validate(vocab_size=self.config.vocab_size,
-                                                max_seq_len=self.max_seq_len))
-                except ValueError as e:
-                    raise ValueError(f"requests[{i}].{e}") from None
-            seeds = [int(self._rng.integers(1 << 63)) if r.seed is None else r.seed for r in requests]
-            order = sorted(range(len(requests)), key=lambda i: len(prompts[i]))  # less padding per batch
-            outputs: list[GenerateOutput | None] = [None] * len(requests)
-            for lo in range(0, len(order), self.max_batch_size):
-                idx = order[lo:lo + self.max_batch_size]
-                outs = self._run_batch([requests[i] for i in idx], [prompts[i] for i in idx],
-                                       [seeds[i] for i in idx])
-                for i, out in zip(idx, outs):
-                    outputs[i] = out
-            return outputs
+        before any is queued (FieldError naming ``requests[i].field``)."""
+        if isinstance(requests, GenerateRequest) or not isinstance(requests, Sequence):
+            raise FieldError("requests", type(requests).__name__, "a list of GenerateRequest",
+                             f"requests={type(requests).__name__}: expected a list of GenerateRequest")
+        for i, req in enumerate(requests):
+            if not isinstance(req, GenerateRequest):
+                raise FieldError(f"requests[{i}]", type(req).__name__, "a GenerateRequest",
+                                 f"requests[{i}]={type(req).__name__}: expected a GenerateRequest")
+            try:
+                self._validate(req)
+            except FieldError as e:
+                raise e.within(f"requests[{i}]") from None
+        futures = [self.submit(r) for r in requests]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
 
-    def set_weights(self, params_state) -> int:
+    def set_weights(self, params_state, abort_in_flight: bool = False) -> int:
         """Replace the parameters (an ``nnx.State`` shaped like ``nnx.state(model, nnx.Param)``, on any
-        devices: they are copied onto the current parameters' placement), bump and return
-        ``weight_version``, and drop the prefix cache (its KV and routes are stale)."""
-        with self._lock:
-            want = jax.tree_util.tree_flatten_with_path(self._params)
-            got = jax.tree_util.tree_flatten_with_path(params_state)
-            if got[1] != want[1]:
-                raise ValueError(f"params_state: tree structure {got[1]} differs from the model's "
-                                 f"parameter tree {want[1]}")
-            for (path, new), (_, old) in zip(got[0], want[0]):
-                if new.shape != old.shape or new.dtype != old.dtype:
-                    raise ValueError(f"params_state{jax.tree_util.keystr(path)}: shape {new.shape} dtype "
-                                     f"{new.dtype}, expected shape {old.shape} dtype {old.dtype}")
-            self._params = _copy(params_state, like=self._params)
-            self.weight_version += 1
-            self._prefix.clear(self.weight_version)
-            return self.weight_version
+        devices: they are copied onto the current placement) and return the new ``weight_version``.
 
-    # ---- one batch ---------------------------------------------------------------------------
-    def _run_batch(self, reqs, prompts, seeds) -> list[GenerateOutput]:
-        n, bs = len(reqs), self.block_size
-        b = pow2_at_least(n, hi=self.max_batch_size)
-        s = min(round_up(pow2_at_least(max(len(p) + r.max_tokens for p, r in zip(prompts, reqs)),
-                                       lo=self.min_seq_bucket), bs), round_up(self.max_seq_len, bs))
-        slots = [self._prefix.match(p) for p in prompts]
-        cached = [len(sl) * bs for sl in slots]
-        capture = self._prefix.enabled or any(r.return_routed_experts for r in reqs)
+        Drain (default): stop admitting, let in-flight requests finish on the old weights, swap,
+        resume. ``abort_in_flight=True``: in-flight requests fail with :class:`EngineAborted` (they may
+        be retried) and the swap happens at once. Requests still waiting run on the new weights. No
+        output ever mixes versions; the prefix cache is dropped (its KV and routes are stale)."""
+        want = jax.tree_util.tree_flatten_with_path(self._params)
+        got = jax.tree_util.tree_flatten_with_path(params_state)
+        if got[1] != want[1]:
+            raise ValueError(f"params_state: tree structure {got[1]} differs from the model's "
+                             f"parameter tree {want[1]}")
+        for (path, new), (_, old) in zip(got[0], want[0]):
+            if tuple(new.shape) != tuple(old.shape) or np.dtype(new.dtype) != np.dtype(old.dtype):
+                raise ValueError(f"params_state{jax.tree_util.keystr(path)}: shape {tuple(new.shape)} dtype "
+                                 f"{new.dtype}, expected shape {tuple(old.shape)} dtype {old.dtype}")
+        placed = self.placement.params(params_state, like=self._params)
+        return self._sched.control(functools.partial(self._swap, placed), drain=True, abort=abort_in_flight)
 
-        cache, routes = self._init(batch=b, seq_len=s)
-        cache, routes = self._prefix.load(cache, routes, slots)
-        cache, routes, logits = self._prefill_rows(cache, routes, prompts, cached, capture)
-        st = self._decode(self._params, self._rest, cache, routes, logits,
-                          self._row_params(b, reqs, prompts, seeds), capture=capture)
-        tokens, logprobs, n_gen, stopped, steps = jax.device_get(
-            (st.tokens, st.logprobs, st.n_gen, st.stopped, st.steps))
-        gens = [int(g) for g in n_gen[:n]]
-        fed = [len(p) + g - 1 for p, g in zip(prompts, gens)]  # rows [0, P + G - 1) exist
-        rows = self._route_rows(st.routes, reqs, fed)
-        self._prefix.store(st.cache, st.routes, [np.concatenate([p, tokens[r, :g - 1]])
-                                                 for r, (p, g) in enumerate(zip(prompts, gens))])
+    def warmup(self) -> dict:
+        """Compile every device program of this configuration (prefill buckets, insert, decode
+        windows, read-outs, prefix cache); returns ``{"programs": n, "seconds": s}``."""
+        return self._sched.control(self._warmup, drain=False, abort=False)
 
-        c = self._counters
-        c["requests"] += n
-        c["batches"] += 1
-        c["cached_tokens"] += sum(cached)
-        c["generated_tokens"] += sum(gens)
-        c["decode_steps"] += int(steps)
-        return [GenerateOutput(
-            output_ids=tokens[r, :g].tolist(),
-            logprobs=logprobs[r, :g].tolist() if req.return_logprobs else None,
-            finish_reason="stop" if stopped[r] else "length",
-            routed_experts=rows[r], prompt_tokens=len(prompts[r]), cached_tokens=cached[r],
-            weight_version=self.weight_version, routed_experts_start=req.routed_experts_prompt_start)
-            for r, (req, g) in enumerate(zip(reqs, gens))]
+    def close(self) -> None:
+        """Stop the scheduler; requests not finished fail with :class:`EngineClosed`."""
+        self._sched.close()
 
-    def _prefill_rows(self, cache, routes, prompts, cached, capture):
-        """Feed tokens ``[cached_r, P_r)`` of every row, in chunks of T (a power of two) right-padded
-        to the trash slot. Returns (cache, routes, logits [B, V] at each row's last prompt token)."""
-        b, s = routes.shape[:2]
+    # ---- scheduler callbacks (scheduler thread only) ----------------------------------------------
+    def _swap(self, placed) -> int:
+        self._params = placed
+        self.weight_version += 1
+        self._prefix.clear(self.weight_version)
+        return self.weight_version
+
+    def _validate(self, req) -> np.ndarray:
+        if not isinstance(req, GenerateRequest):
+            raise FieldError("request", type(req).__name__, "a GenerateRequest",
+                             f"{type(req).__name__}: expected a GenerateRequest")
+        return req.validate(vocab_size=self.config.vocab_size, max_seq_len=self.max_seq_len,
+                            max_stop_tokens=self.max_stop_tokens)
+
+    def _warmup(self) -> dict:
+        t0, before = time.perf_counter(), len(self.programs)
+        from r3jax.engine.warmup import compile_all
+
+        compile_all(self)
+        self._sched.warmed = True
+        seconds = time.perf_counter() - t0
+        self._counters["warmup_s"] += seconds
+        return {"programs": len(self.programs), "new": len(self.programs) - before, "seconds": seconds}
+
+    def _run(self, name, key, build, *args):
+        return self.programs.run(name, key, build, *args)
+
+    def _init_state(self) -> dev.SlotState:
+        abstract = jax.eval_shape(functools.partial(
+            dev.init_state, self.config, self.route_dtype, slots=self.max_batch_size, seq_len=self.seq_len,
+            stop_width=self.max_stop_tokens))
+        shardings = self.placement.state(abstract)
+        fn = functools.partial(dev.init_state, self.config, self.route_dtype, slots=self.max_batch_size,
+                               seq_len=self.seq_len, stop_width=self.max_stop_tokens)
+        return self._run("state_init", (), lambda: (fn, {"out_shardings": shardings}))
+
+    def _build_pool_init(self):
+        fn = functools.partial(init_pool, self.config, self.route_dtype, capacity=self._prefix.capacity,
+                               block_size=self.block_size)
+        return fn, {"out_shardings": self.placement.pool(jax.eval_shape(fn))}
+
+    # ---- device steps (scheduler thread only) -------------------------------------------------------
+    def _scratch_shardings(self, rows, sp):
+        p = self.placement
+        kv = p.kv(rows, by_row=False)
+        cache = jax.tree.map(lambda _: kv, jax.eval_shape(lambda: dev.KVCache.init(self.config, rows, sp)))
+        return cache, p.replicated
+
+    def _build_begin(self, rows, sp):
+        fn = functools.partial(dev.begin_prefill, self.config, self.route_dtype, rows=rows, seq_len=sp)
+        if not self._prefix.enabled:
+            fn = functools.partial(lambda f, row, blk, slot: f(None, row, blk, slot), fn)
+        return fn, {"out_shardings": self._scratch_shardings(rows, sp)}
+
+    def _build_prefill(self, rows, sp):
+        cache, rep = self._scratch_shardings(rows, sp)
+        return (functools.partial(dev.prefill_chunk, self._graphdef),
+                {"donate_argnums": (2, 3, 7), "out_shardings": (cache, rep, rep)})
+
+    def _build_first(self):
+        return dev.sample_first, {"out_shardings": (self.placement.replicated, self.placement.replicated)}
+
+    def _build_insert(self):
+        return dev.insert, {"donate_argnums": (0,), "out_shardings": self.placement.state(self._state)}
+
+    def _build_decode(self, window):
+        fn = functools.partial(dev.decode, self._graphdef, steps=self.decode_steps, window=window)
+        return fn, {"donate_argnums": (2,), "out_shardings": self.placement.state(self._state)}
+
+    def _build_read(self, length):
+        return functools.partial(dev.read_slot, length=length), {}
+
+    def _build_store(self):
+        return store_blocks, {"donate_argnums": (0,), "out_shardings": self.placement.pool(self._prefix.pool)}
+
+    def prefill(self, jobs: list[Job], slot_ids: list[int]) -> None:
+        """Prefill ``jobs`` (at most the largest row bucket) and insert them into ``slot_ids``."""
+        put, cfg, bs = self.placement.put, self.config, self.block_size
+        n = len(jobs)
+        rows = bucket(n, self._row_buckets)
+        prompts = [j.prompt for j in jobs]
+        sp = bucket(max(len(p) for p in prompts) + 1, self._seq_buckets)  # + 1: the trash position
+        hits = [self._prefix.match(p) for p in prompts]
+        cached = [len(h) * bs for h in hits]
+        plan = self._prefix.load_plan(hits, rows, sp)
+        args = ((self._prefix.pool,) if self._prefix.enabled else ()) + tuple(put(tuple(plan)))
+        cache, routes = self._run("begin", (rows, sp, self._prefix.capacity), lambda: self._build_begin(rows, sp), *args)
         todo = [len(p) - c for p, c in zip(prompts, cached)]
-        # the model returns logits at every fed position, [B, T, V] f32: bound that buffer
-        t_logits = pow2_at_most(max(16, _LOGITS_BYTES // (4 * b * self.config.vocab_size)))
-        t = pow2_at_least(max(todo), lo=16, hi=min(self.prefill_chunk, s, t_logits))
-        logits = np.zeros((b, self.config.vocab_size), np.float32)
+        t = min(bucket(max(todo), self._chunk_buckets), sp)
+        logits = put(np.zeros((rows, cfg.vocab_size), np.float32))
         chunks = -(-max(todo) // t)
         for ci in range(chunks):
-            tokens, positions = np.zeros((b, t), np.int32), np.full((b, t), s - 1, np.int32)
-            last = np.full((b,), -1, np.int32)
+            tokens, positions = np.zeros((rows, t), np.int32), np.full((rows, t), sp - 1, np.int32)
+            last = np.full((rows,), -1, np.int32)
             for r, (p, c) in enumerate(zip(prompts, cached)):
                 lo = c + ci * t
                 hi = min(len(p), lo + t)
@@ -206,71 +327,89 @@ class Engine:
                     tokens[r, :hi - lo], positions[r, :hi - lo] = p[lo:hi], np.arange(lo, hi)
                     if hi == len(p):
                         last[r] = hi - lo - 1
-            cache, routes, logits = self._prefill(self._params, self._rest, cache, routes, tokens,
-                                                  positions, last, logits, capture=capture)
-        self._counters["prefill_tokens"] += sum(todo)
-        self._counters["padded_prefill_tokens"] += chunks * b * t
-        return cache, routes, logits
+            cache, routes, logits = self._run(
+                "prefill", (rows, t, sp), lambda: self._build_prefill(rows, sp), self._params, self._rest, cache,
+                routes, *put((tokens, positions, last)), logits)
+        slot_arr = np.full((rows,), self.max_batch_size, np.int32)
+        slot_arr[:n] = slot_ids
+        slot_dev, new = put((slot_arr, self._slot_params(jobs, rows)))  # one transfer call
+        first, first_lp = self._run("first", rows, self._build_first, logits, new)
+        self._state = self._run("insert", (rows, sp), self._build_insert, self._state, cache, routes, first,
+                                first_lp, slot_dev, new)
+        for job, c in zip(jobs, cached):
+            job.cached = c
+        c = self._counters
+        c["prefill_calls"] += chunks
+        c["prefill_tokens"] += sum(todo)
+        c["cached_tokens"] += sum(cached)
+        c["padded_prefill_tokens"] += chunks * rows * t
 
-    def _row_params(self, b, reqs, prompts, seeds) -> dev.RowParams:
-        n = len(reqs)
-        pad = lambda vals, fill, dtype: np.array(list(vals) + [fill] * (b - n), dtype)
-        ns = pow2_at_least(max(len(r.stop_token_ids) for r in reqs), lo=4)
-        stop_ids = np.full((b, ns), -1, np.int32)
-        for r, req in enumerate(reqs):
-            stop_ids[r, :len(req.stop_token_ids)] = np.asarray(req.stop_token_ids, np.int64)
-        key_data = np.zeros((b, 2), np.uint32)
-        key_data[:n] = [seed_words(sd) for sd in seeds]
-        field = lambda name, fill, dtype: pad((getattr(r, name) for r in reqs), fill, dtype)
-        return dev.RowParams(
-            prompt_len=pad(map(len, prompts), 1, np.int32), max_new=field("max_tokens", 1, np.int32),
-            live=pad([True] * n, False, np.bool_), temperature=field("temperature", 0.0, np.float32),
-            top_k=field("top_k", 0, np.int32), top_p=field("top_p", 1.0, np.float32),
-            key_data=key_data, stop_ids=stop_ids)
+    def _slot_params(self, jobs: list[Job], rows: int) -> dev.SlotParams:
+        n = len(jobs)
+        pad = lambda vals, fill, dtype: np.array(list(vals) + [fill] * (rows - n), dtype)
+        stop_ids = np.full((rows, self.max_stop_tokens), -1, np.int32)
+        key_data = np.zeros((rows, 2), np.uint32)
+        for r, job in enumerate(jobs):
+            stop_ids[r, :len(job.request.stop_token_ids)] = np.asarray(job.request.stop_token_ids, np.int64)
+            key_data[r] = seed_words(job.seed)
+        field = lambda name, fill, dtype: pad((getattr(j.request, name) for j in jobs), fill, dtype)
+        return dev.SlotParams(
+            prompt_len=pad((len(j.prompt) for j in jobs), 1, np.int32), max_new=field("max_tokens", 1, np.int32),
+            temperature=field("temperature", 0.0, np.float32), top_k=field("top_k", 0, np.int32),
+            top_p=field("top_p", 1.0, np.float32), key_data=key_data, stop_ids=stop_ids)
 
-    def _route_rows(self, routes, reqs, fed) -> list[np.ndarray | None]:
-        """Rows [s, P + G - 1) of the requests that asked for them; only that window is transferred."""
-        want = [r for r, req in enumerate(reqs) if req.return_routed_experts]
-        if not want:
-            return [None] * len(reqs)
-        b = routes.shape[0]
-        start = np.zeros((b,), np.int32)
-        for r in want:
-            start[r] = reqs[r].routed_experts_prompt_start
-        length = pow2_at_least(max(fed[r] - start[r] for r in want), lo=16, hi=routes.shape[1])
-        window = np.asarray(self._read(routes, start, length=length))
-        return [window[r, :fed[r] - start[r]].copy() if r in want else None for r in range(len(reqs))]
+    def decode(self, live: dict[int, Job], n_gen: np.ndarray):
+        """One decode call over the live slots; returns ``(n_gen [B], done [B])`` on the host."""
+        need = max(min(len(j.prompt) + int(n_gen[s]) + self.decode_steps, len(j.prompt) + j.request.max_tokens)
+                   for s, j in live.items())
+        window = bucket(need, self._seq_buckets)
+        n = bucket(len(live), self._live_buckets)
+        idx = np.full((n,), self.max_batch_size, np.int32)
+        idx[:len(live)] = sorted(live)
+        self._state = self._run("decode", (n, window), lambda: self._build_decode(window), self._params, self._rest,
+                                self._state, self.placement.put(idx))
+        c = self._counters
+        c["decode_calls"] += 1
+        c["max_live_slots"] = max(c["max_live_slots"], len(live))
+        return jax.device_get((self._state.n_gen, self._state.done))
+
+    def harvest(self, slot: int, job: Job, n_gen: int) -> GenerateOutput:
+        """The finished request in ``slot``: its tokens, and route rows ``[s, P + G - 1)`` of that slot only;
+        its fed tokens' whole blocks go to the prefix cache."""
+        req, p, g = job.request, len(job.prompt), n_gen
+        s = req.routed_experts_prompt_start
+        rows = p + g - 1 - s
+        length = bucket(max(rows, 1), self._read_buckets) if req.return_routed_experts else self._read_buckets[0]
+        put = self.placement.put
+        t0 = time.perf_counter()
+        tokens, logprobs, stopped, routes = jax.device_get(self._run(
+            "read", length, lambda: self._build_read(length), self._state,
+            *put((np.int32(slot), np.int32(s if req.return_routed_experts else 0)))))
+        routed = None
+        if req.return_routed_experts:
+            routed = np.ascontiguousarray(routes[:rows])
+            self._counters["route_gather_s"] += time.perf_counter() - t0
+            self._counters["route_rows"] += rows
+        plan = self._prefix.store_plan(np.concatenate([job.prompt, tokens[:g - 1]]), slot, self.seq_len)
+        if plan is not None:
+            self._prefix.pool = self._run("store", self._prefix.capacity, self._build_store, self._prefix.pool, self._state.cache,
+                                          self._state.routes, *put(tuple(plan)))
+        c = self._counters
+        c["requests"] += 1
+        c["generated_tokens"] += g
+        return GenerateOutput(
+            output_ids=tokens[:g].tolist(), logprobs=logprobs[:g].tolist() if req.return_logprobs else None,
+            finish_reason="stop" if stopped else "length", routed_experts=routed, prompt_tokens=p,
+            cached_tokens=job.cached, weight_version=job.version, routed_experts_start=s)
+
+    def reset_state(self) -> None:
+        """Fresh slot buffers (after a device error left the donated state unusable)."""
+        self._state = self._init_state()
 
 
 def _cpu_moe_impl(cfg) -> str:
-    """Decode on CPU: "loop" (runs only the chosen experts) if this MoeConfig accepts it, else "dense"
-    (ragged_dot lowers to a dense masked matmul on CPU: K x the dense kernel's work). Measured in
-    experiments/bench_decode.py."""
-    try:
-        cfg.replace(moe_impl="loop")
-        return "loop"
-    except ValueError:
-        return "dense"
+    """The fastest decode kernel on CPU that this MoeConfig accepts: "gather" (runs each chosen expert
+    on only the tokens that chose it), else "loop", else "dense" (experiments/bench_decode.py)."""
+    from models.config import MOE_IMPLS
 
-
-_read_routes = jax.jit(dev.read_routes, static_argnames=("length",))
-
-
-@functools.lru_cache(maxsize=None)
-def _programs(graphdef, cfg, rdtype) -> types.SimpleNamespace:
-    """Jitted programs of one model graph, shared by every engine over an equal graph (a rebuilt
-    engine, a second engine in the same process) so none compiles twice. Buffers are donated."""
-    return types.SimpleNamespace(
-        init=jax.jit(functools.partial(dev.init_buffers, cfg, rdtype), static_argnames=("batch", "seq_len")),
-        prefill=jax.jit(functools.partial(dev.prefill_chunk, graphdef), static_argnames=("capture",),
-                        donate_argnames=("cache", "routes")),
-        decode=jax.jit(functools.partial(dev.decode, graphdef), static_argnames=("capture",),
-                       donate_argnames=("cache", "routes")))
-
-
-def _copy(tree, like=None):
-    """Own copies of the arrays, so nothing the caller later donates or deletes is shared; placed like
-    ``like``'s leaves when given, so new weights never change the compiled programs' input placement."""
-    if like is None:
-        return jax.tree.map(lambda x: jax.device_put(x, may_alias=False), tree)
-    return jax.tree.map(lambda x, old: jax.device_put(x, old.sharding, may_alias=False), tree, like)
+    return next(impl for impl in ("gather", "loop", "dense") if impl in MOE_IMPLS)

@@ -68,25 +68,16 @@ def store_blocks(pool: BlockPool, cache: KVCache, routes, row, blk, slot) -> Blo
                      routes=take(pool.routes, routes))
 
 
-_POOL_STATICS = ("cfg", "route_dtype", "capacity", "block_size")
-# shared by every engine: programs depend on shapes only
-_init_pool = jax.jit(init_pool, static_argnames=_POOL_STATICS)
-_load_blocks = jax.jit(load_blocks, donate_argnames=("cache", "routes"))
-_store_blocks = jax.jit(store_blocks, donate_argnames=("pool",))
-
-
 class PrefixCache:
-    """Host index + device pool. ``jit(jitted, name, **kw)`` wraps the device programs to count them."""
+    """Host index over a device pool of ``capacity`` blocks. The engine runs the device programs
+    (:func:`load_blocks` / :func:`store_blocks`) with the index arrays planned here."""
 
-    def __init__(self, cfg: MoeConfig, route_dtype, *, block_size: int, budget_bytes: int, jit):
+    def __init__(self, cfg: MoeConfig, route_dtype, *, block_size: int, budget_bytes: int):
         self.cfg, self.route_dtype, self.block_size = cfg, np.dtype(route_dtype), block_size
         kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
         self.block_bytes = block_size * (kv_bytes + cfg.num_moe_layers * cfg.top_k * self.route_dtype.itemsize)
         self.capacity = int(budget_bytes) // self.block_bytes
-        self._init = jit(_init_pool, "prefix_pool_init", static_argnames=_POOL_STATICS)
-        self._load = jit(_load_blocks, "prefix_load")
-        self._store = jit(_store_blocks, "prefix_store")
-        self._pool: BlockPool | None = None
+        self.pool: BlockPool | None = None  # set by the engine (preallocated when enabled)
         self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._free: list[int] = []
         self._root = b""
@@ -131,52 +122,41 @@ class PrefixCache:
         self._touch(hit)
         return [self._index[k] for k in hit]
 
-    def load(self, cache: KVCache, routes, slots_per_row: list[list[int]]):
-        """Write each row's matched blocks (slots from :meth:`match`) into blocks 0.. of that row."""
-        b, s = routes.shape[:2]
-        n = b * (s // self.block_size)
-        row, blk, slot = np.full(n, b, np.int32), np.zeros(n, np.int32), np.zeros(n, np.int32)
+    def load_plan(self, slots_per_row: list[list[int]], rows: int, seq_len: int):
+        """Index arrays ``(row, blk, slot) [rows * seq_len / bs] int32`` for :func:`load_blocks`:
+        each row's matched blocks into blocks 0.. of that row (row == rows: padding)."""
+        n = rows * (seq_len // self.block_size)
+        row, blk, slot = np.full(n, rows, np.int32), np.zeros(n, np.int32), np.zeros(n, np.int32)
         i = 0
         for r, slots in enumerate(slots_per_row):
             for j, sl in enumerate(slots):
                 row[i], blk[i], slot[i] = r, j, sl
                 i += 1
-        if i == 0:
-            return cache, routes
-        return self._load(self._pool, cache, routes, row, blk, slot)
+        return row, blk, slot
 
-    def store(self, cache: KVCache, routes, fed_per_row: list[np.ndarray | None]) -> int:
-        """Add the whole blocks of each row's fed tokens (``prompt + output[:-1]``, whose KV and route
-        rows are in the batch buffers) that are not cached yet. Returns the number of blocks added."""
+    def store_plan(self, fed: np.ndarray, row_index: int, seq_len: int):
+        """Index arrays ``(row, blk, slot) [seq_len / bs] int32`` for :func:`store_blocks` adding the
+        whole blocks of ``fed [N]`` (``prompt + output[:-1]``, in buffer row ``row_index``) not cached
+        yet (slot == capacity: padding), or None when nothing is added."""
         if not self.enabled:
-            return 0
-        b, s = routes.shape[:2]
-        n = b * (s // self.block_size)
-        row, blk, slot = np.zeros(n, np.int32), np.zeros(n, np.int32), np.full(n, self.capacity, np.int32)
-        added: set[bytes] = set()
-        protected: set[bytes] = set()  # blocks of this call's chains: evicting one would orphan the rest
-        for r, fed in enumerate(fed_per_row):
-            if fed is None:
+            return None
+        n = seq_len // self.block_size
+        row, blk, slot = np.full(n, row_index, np.int32), np.zeros(n, np.int32), np.full(n, self.capacity, np.int32)
+        keys = self.block_keys(fed, len(fed) // self.block_size)
+        protected = set(keys)  # blocks of this chain: evicting one would orphan the rest
+        added = 0
+        for j, key in enumerate(keys):
+            if key in self._index:
                 continue
-            keys = self.block_keys(fed, len(fed) // self.block_size)
-            protected.update(keys)
-            for j, key in enumerate(keys):
-                if key in self._index:
-                    continue
-                free = self._allocate(protected)
-                if free is None:
-                    keys = keys[:j]  # a block past a missing one could never be matched
-                    break
-                self._index[key] = free
-                row[len(added)], blk[len(added)], slot[len(added)] = r, j, free
-                added.add(key)
-            self._touch(keys)
-        if added:
-            if self._pool is None:
-                self._pool = self._init(cfg=self.cfg, route_dtype=self.route_dtype, capacity=self.capacity,
-                                        block_size=self.block_size)
-            self._pool = self._store(self._pool, cache, routes, row, blk, slot)
-        return len(added)
+            free = self._allocate(protected)
+            if free is None:
+                keys = keys[:j]  # a block past a missing one could never be matched
+                break
+            self._index[key] = free
+            blk[added], slot[added] = j, free
+            added += 1
+        self._touch(keys)
+        return (row, blk, slot) if added else None
 
     def _allocate(self, protected: set[bytes]) -> int | None:
         if self._free:

@@ -1,13 +1,16 @@
-"""Shape buckets and a record of the distinct programs they compile.
+"""Shape buckets and the engine's fixed set of compiled device programs.
 
-Batch size, prompt chunk and cache length are rounded up to powers of two, so a stream of varied
-requests maps onto a small, bounded set of shapes; every other per-request quantity (lengths, sampling
-parameters, seeds) travels as an array.
+Every shape a program sees comes from the engine's configuration (slots, cache length, prefill rows,
+prefill buckets, attention windows, read-out lengths), never from traffic, so the set of programs is
+known before the first request and warm-up (:mod:`r3jax.engine.warmup`) compiles all of them.
+Programs are compiled ahead of time (``jit(...).lower(...).compile()``) and called directly, so a call
+with any other shape or placement fails loudly instead of compiling quietly.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import threading
+from typing import Any, Callable, Hashable
 
 import jax
 
@@ -29,33 +32,59 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-class CountedJit:
-    """A jitted function plus a record of each distinct signature (static args; shapes, dtypes and
-    shardings of the inputs) it is called with. jit compiles one program per signature, so
-    ``len(signatures)`` counts the programs a caller needed (the jitted function may be shared, so
-    another caller may have compiled them)."""
-
-    def __init__(self, jitted: Callable, name: str, signatures: set, *, static_argnames=()):
-        self._jit, self._name, self._signatures = jitted, name, signatures
-        self._static = tuple(static_argnames)
-
-    def __call__(self, *args, **kwargs):
-        statics = tuple((k, kwargs[k]) for k in self._static if k in kwargs)
-        dynamic = (args, {k: v for k, v in kwargs.items() if k not in self._static})
-        leaves, treedef = jax.tree.flatten(dynamic)
-        shapes = tuple((tuple(x.shape), str(x.dtype), _placement(x)) for x in leaves)
-        self._signatures.add((self._name, statics, treedef, shapes))
-        return self._jit(*args, **kwargs)
-
-    def cache_size(self) -> int:
-        """Programs jit itself holds for this function (a private counter, for cross-checks in tests)."""
-        return self._jit._cache_size()
+def buckets(lo: int, hi: int) -> list[int]:
+    """Powers of two from ``lo`` (a power of two) below ``hi``, then ``hi`` itself: [lo, 2lo, ..., hi]."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return out + [hi]
 
 
-def _placement(x):
-    """None for host arrays and arrays on the default device alone (jit treats them alike); else the
-    sharding, which is part of what a program is compiled for."""
-    sharding = getattr(x, "sharding", None)
-    if sharding is None or sharding.device_set == {jax.devices()[0]}:
-        return None
-    return sharding
+def bucket(n: int, sizes: list[int]) -> int:
+    """The smallest of ``sizes`` (ascending) that is >= n (the last one if none is)."""
+    for size in sizes:
+        if size >= n:
+            return size
+    return sizes[-1]
+
+
+# Compiled programs shared by every engine of an equal configuration (a rebuilt engine, a second engine
+# in one process, a test suite), so none compiles twice. Key: (engine key, program name, bucket).
+_SHARED: dict[Hashable, Any] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+class Programs:
+    """The compiled programs one engine uses. ``run(name, bucket, build, *args)`` calls the program
+    ``(name, bucket)``, compiling it on first use from ``build() -> (fn, jit_kwargs)`` lowered at
+    ``args``. ``len(self)`` is the number of distinct programs this engine has needed."""
+
+    def __init__(self, engine_key: Hashable):
+        self._key = engine_key
+        self._exe: dict[tuple, Any] = {}
+        self.compiles = 0  # programs this process compiled for this engine (0 when shared ones were reused)
+
+    def __len__(self) -> int:
+        return len(self._exe)
+
+    def __contains__(self, name_bucket: tuple) -> bool:
+        return name_bucket in self._exe
+
+    def get(self, name: str, bucket_key: Hashable, build: Callable[[], tuple[Callable, dict]], *args):
+        key = (name, bucket_key)
+        exe = self._exe.get(key)
+        if exe is None:
+            shared = (self._key, key)
+            with _SHARED_LOCK:
+                exe = _SHARED.get(shared)
+                if exe is None:
+                    fn, kw = build()
+                    exe = jax.jit(fn, **kw).lower(*args).compile()
+                    _SHARED[shared] = exe
+                    self.compiles += 1
+            self._exe[key] = exe
+        return exe
+
+    def run(self, name: str, bucket_key: Hashable, build, *args):
+        return self.get(name, bucket_key, build, *args)(*args)

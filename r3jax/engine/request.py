@@ -1,7 +1,8 @@
 """What a caller asks the engine for and what it gets back, plus the host-side validation of a request.
 
-Validation runs on the host before anything is compiled or run; every error is a ValueError whose
-message names the field, the value and the expectation.
+Validation runs on the host before anything is compiled or run; every error is a
+:class:`r3jax.checks.FieldError` (a ValueError carrying ``field``/``value``/``expected`` as data) built by
+the shared rules of :mod:`r3jax.checks`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import numbers
 from typing import Sequence
 
 import numpy as np
+
+from r3jax.checks import FieldError, check_int, check_prompt_start, is_int
 
 _SEED_LIMIT = 1 << 64  # seeds become a 64-bit PRNG key (two uint32 words)
 
@@ -39,32 +42,35 @@ class GenerateRequest:
     routed_experts_prompt_start: int = 0
     session_id: str | None = None
 
-    def validate(self, *, vocab_size: int, max_seq_len: int) -> np.ndarray:
-        """Check every field; return the prompt as an int32 array ``[P]``. Raises ValueError."""
+    def validate(self, *, vocab_size: int, max_seq_len: int, max_stop_tokens: int | None = None) -> np.ndarray:
+        """Check every field; return the prompt as an int32 array ``[P]``. Raises
+        :class:`r3jax.checks.FieldError` (a ValueError) naming the field, the value and the expectation."""
         prompt = _token_array("prompt_ids", self.prompt_ids, vocab_size)
         if prompt.size == 0:
-            raise ValueError("prompt_ids=[]: expected at least one token id")
+            raise FieldError("prompt_ids", [], "at least one token id",
+                             "prompt_ids=[]: expected at least one token id")
         p = int(prompt.size)
-        _int_field("max_tokens", self.max_tokens, lo=1)
+        check_int("max_tokens", self.max_tokens, lo=1)
         if p + self.max_tokens > max_seq_len:
-            raise ValueError(f"max_tokens={self.max_tokens}: prompt length {p} + max_tokens = "
+            raise FieldError("max_tokens", self.max_tokens, f"prompt length + max_tokens <= max_seq_len={max_seq_len}",
+                             f"max_tokens={self.max_tokens}: prompt length {p} + max_tokens = "
                              f"{p + self.max_tokens}, expected <= max_seq_len={max_seq_len}")
         _real_field("temperature", self.temperature, lo=0.0, lo_open=False, hi=math.inf)
         _real_field("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
-        _int_field("top_k", self.top_k, lo=0)
+        check_int("top_k", self.top_k, lo=0)
         if self.seed is not None:
-            _int_field("seed", self.seed, lo=0, hi=_SEED_LIMIT - 1)
-        _token_array("stop_token_ids", self.stop_token_ids, vocab_size)
+            check_int("seed", self.seed, lo=0, hi=_SEED_LIMIT - 1)
+        stops = _token_array("stop_token_ids", self.stop_token_ids, vocab_size)
+        if max_stop_tokens is not None and stops.size > max_stop_tokens:
+            raise FieldError("stop_token_ids", list(self.stop_token_ids), f"at most {max_stop_tokens} ids",
+                             f"stop_token_ids has {stops.size} ids: expected at most {max_stop_tokens}")
         for name in ("return_logprobs", "return_routed_experts"):
             value = getattr(self, name)
             if not isinstance(value, (bool, np.bool_)):
-                raise ValueError(f"{name}={value!r}: expected a bool")
-        s = self.routed_experts_prompt_start
-        if not _is_int(s) or not 0 <= s <= p:
-            raise ValueError(f"routed_experts_prompt_start={s!r}: expected an int in [0, P={p}] "
-                             f"(P = number of prompt tokens)")
+                raise FieldError(name, value, "a bool")
+        check_prompt_start(self.routed_experts_prompt_start, p)
         if self.session_id is not None and not isinstance(self.session_id, str):
-            raise ValueError(f"session_id={self.session_id!r}: expected a str or None")
+            raise FieldError("session_id", self.session_id, "a str or None")
         return prompt
 
 
@@ -90,22 +96,12 @@ class GenerateOutput:
     routed_experts_start: int
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
-def _int_field(name, value, *, lo, hi=None):
-    if not _is_int(value) or value < lo or (hi is not None and value > hi):
-        want = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
-        raise ValueError(f"{name}={value!r}: expected {want}")
-
-
 def _real_field(name, value, *, lo, lo_open, hi):
     ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
     ok = ok and math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi
     if not ok:
         bracket = "(" if lo_open else "["
-        raise ValueError(f"{name}={value!r}: expected a finite number in {bracket}{lo}, {hi}]")
+        raise FieldError(name, value, f"a finite number in {bracket}{lo}, {hi}]")
 
 
 def _token_array(name, value, vocab_size) -> np.ndarray:
@@ -114,20 +110,21 @@ def _token_array(name, value, vocab_size) -> np.ndarray:
         value = np.asarray(value)  # e.g. a jax.Array
     if isinstance(value, np.ndarray):
         if value.ndim != 1 or not (value.size == 0 or np.issubdtype(value.dtype, np.integer)):
-            raise ValueError(f"{name}: array of dtype {value.dtype} and shape {value.shape}, "
+            raise FieldError(name, value, "a 1-D integer array",
+                             f"{name}: array of dtype {value.dtype} and shape {value.shape}, "
                              "expected a 1-D integer array")
         arr = value.astype(np.int64)
     else:
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-            raise ValueError(f"{name}={value!r}: expected a sequence of int token ids")
+            raise FieldError(name, value, "a sequence of int token ids")
         for i, t in enumerate(value):
-            if not _is_int(t):
-                raise ValueError(f"{name}[{i}]={t!r}: expected an int token id")
+            if not is_int(t):
+                raise FieldError(f"{name}[{i}]", t, "an int token id")
             if not 0 <= t < vocab_size:
-                raise ValueError(f"{name}[{i}]={int(t)}: expected token ids in [0, vocab_size={vocab_size})")
+                raise FieldError(f"{name}[{i}]", int(t), f"token ids in [0, vocab_size={vocab_size})")
         return np.asarray(value, dtype=np.int32).reshape(-1)
     bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"{name}[{i}]={int(arr[i])}: expected token ids in [0, vocab_size={vocab_size})")
+        raise FieldError(f"{name}[{i}]", int(arr[i]), f"token ids in [0, vocab_size={vocab_size})")
     return arr.astype(np.int32)

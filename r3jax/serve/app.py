@@ -2,11 +2,15 @@
 
 Endpoints::
 
-    GET  /health        {"status": "ok", "weight_version": n}     (503 while shutting down; no auth)
+    GET  /health        {"status": "ok", "weight_version": n}     (no auth; 503 {"status": "warming_up"}
+                        until every device program is compiled, 503 while shutting down)
     GET  /v1/model      ModelInfo: E, K, L, moe_layer_ids, vocab_size, max_seq_len, weight_version
     POST /v1/generate   GenerateBody -> GenerateResponse
-    POST /v1/weights    {"path": dir, "format": "orbax" | "safetensors"} -> {"weight_version": n}
-    GET  /v1/stats      request / batch counters, requests per recent session_id, the engine's stats
+    POST /v1/weights    {"path": dir, "format": "orbax" | "safetensors"} -> {"weight_version": n};
+                        ``?abort_in_flight=true`` fails requests in flight (503, retryable) instead of
+                        letting them finish on the old weights first
+    GET  /v1/stats      request counters, requests per recent session_id, route transfer costs
+                        (``routes``: gather_s, encode_s, rows, bytes, responses) and the engine's stats
     GET  /openapi.json  the schema (no auth)
 
 **Binary routes.** A client that sends ``Accept: application/vnd.r3jax.generate+binary`` (the
@@ -18,7 +22,9 @@ on the wire then equal the raw array plus a small header (no base64).
 **Errors.** Bad input is a 4xx with ``{"error": "invalid_request", "field": ..., "detail": ...}``:
 400 body not JSON, 413 body over ``max_body_bytes``, 422 a field of the wrong type or value, 401 a
 missing or wrong ``Authorization: Bearer <api_key>`` on ``/v1/*`` when ``api_key`` is set. 503
-(with ``Retry-After``) for requests refused while shutting down: clients retry them elsewhere.
+(with ``Retry-After`` and ``"retryable": true``) for requests not served for a reason a retry fixes:
+shutting down, too many queued, or a weight update with ``abort_in_flight`` stopped it mid-way.
+A client that disconnects cancels its request (its decode slot is freed at once).
 """
 
 from __future__ import annotations
@@ -30,13 +36,17 @@ import hmac
 import json
 import logging
 import struct
+import threading
+import time
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from r3jax.checks import FieldError
+from r3jax.engine.errors import EngineAborted
 from r3jax.serve import schema
-from r3jax.serve.batcher import Batcher, ShuttingDown
+from r3jax.serve.batcher import EngineBridge, ShuttingDown
 from r3jax.serve.protocol import BINARY_MEDIA_TYPE
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
@@ -102,12 +112,36 @@ class Guard:
         await self.app(scope, replay, send)
 
 
-def _response(out, layers: list[int], binary: bool) -> Response:
+def _response(out, layers: list[int], binary: bool, route_stats: dict | None = None) -> Response:
+    t0 = time.perf_counter()
     obj, frame = schema.output_json(out, layers, binary_routes=binary)
     if not binary:
-        return _json(obj)
-    head = json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
-    return Response(struct.pack("<I", len(head)) + head + frame, media_type=BINARY_MEDIA_TYPE)
+        resp = _json(obj)
+        wire = len(obj["routed_experts"]["data"]) if obj.get("routed_experts") else 0
+    else:
+        head = json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
+        resp = Response(struct.pack("<I", len(head)) + head + frame, media_type=BINARY_MEDIA_TYPE)
+        wire = len(frame)
+    if route_stats is not None and out.routed_experts is not None:
+        route_stats["encode_s"] += time.perf_counter() - t0
+        route_stats["rows"] += int(out.routed_experts.shape[0])
+        route_stats["bytes"] += wire
+        route_stats["responses"] += 1
+    return resp
+
+
+def _unavailable(detail: str, error: str = "unavailable") -> Response:
+    return _json({"error": error, "retryable": True, "detail": detail}, 503, {"Retry-After": "1"})
+
+
+# GenerateRequest fields that live under "sampling_params" in the HTTP body
+_SAMPLING_FIELDS = frozenset(schema.SamplingParams.model_fields)
+
+
+def _body_field(field: str) -> str:
+    """The body path of an engine request field (``max_tokens`` -> ``sampling_params.max_tokens``)."""
+    name = field.split("[", 1)[0].split(".", 1)[0]
+    return f"sampling_params.{field}" if name in _SAMPLING_FIELDS else (field or "body")
 
 
 def model_info(engine) -> dict:
@@ -126,38 +160,53 @@ def _jsonable(obj: Any) -> Any:
 
 
 def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               max_batch_size: int | None = None, max_wait_s: float = 0.002, max_queue: int = 4096,
-               load_weights: Callable[[str, str, Any], Any] | None = None) -> FastAPI:
+               max_batch_size: int | None = None, max_wait_s: float | None = None, max_queue: int = 4096,
+               load_weights: Callable[[str, str, Any], Any] | None = None, warmup: bool = True) -> FastAPI:
     """The ASGI app serving ``engine``.
 
-    max_batch_size: requests per engine call (default ``engine.max_batch_size``). max_wait_s: how long
-    a batch waits for more requests once the first arrived (bounded; a busy engine batches anyway).
-    max_queue: requests waiting beyond this many get 503 (the client retries with backoff).
+    Requests go straight to the engine's continuous-batching scheduler (``engine.submit``).
+    max_queue: requests waiting for a slot beyond this many get 503 (the client retries with backoff).
+    warmup: on start, compile every engine program in the background (``engine.warmup()``); until it
+    is done ``/health`` answers 503 ``{"status": "warming_up"}`` (generate requests queue meanwhile).
     load_weights: ``(path, format, engine) -> params state`` for ``POST /v1/weights`` (default
-    :func:`r3jax.serve.weights.load_state`); it runs in a worker thread while generation continues,
-    then ``engine.set_weights`` runs between two batches.
+    :func:`r3jax.serve.weights.load_state`); it runs in a worker thread while generation continues.
+    max_batch_size / max_wait_s: accepted for compatibility and ignored (the engine's slots batch).
     """
     if load_weights is None:
         from r3jax.serve.weights import load_state as load_weights
-    batcher = Batcher(engine, max_batch_size=max_batch_size or int(engine.max_batch_size),
-                      max_wait_s=max_wait_s, max_queue=max_queue)
+    bridge = EngineBridge(engine, max_queue=max_queue)
     limits = schema.Limits(vocab_size=engine.config.vocab_size, max_seq_len=int(engine.max_seq_len))
     layers = list(engine.moe_layer_ids)
     weights_lock = asyncio.Lock()
     sessions: collections.OrderedDict[str, int] = collections.OrderedDict()  # requests per session_id
     token = None if api_key is None else f"Bearer {api_key}".encode()
+    route_stats = {"encode_s": 0.0, "rows": 0, "bytes": 0, "responses": 0}
+    ready = threading.Event()
+    warm: dict[str, Any] = {}
+
+    def warm_up():
+        try:
+            result = engine.warmup() if warmup and hasattr(engine, "warmup") else None
+            if result is not None:
+                warm.update(result)
+                print(f"r3jax serve: warm-up compiled {result['programs']} programs in {result['seconds']:.1f} s",
+                      flush=True)
+                log.info("warm-up: %d device programs in %.1f s", result["programs"], result["seconds"])
+        finally:
+            ready.set()
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        batcher.start()
+        bridge.start()
+        threading.Thread(target=warm_up, name="r3jax-warmup", daemon=True).start()
         try:
             yield
         finally:
-            await batcher.stop()  # uvicorn has already let in-flight requests finish (or timed out)
+            await bridge.stop()  # uvicorn has already let in-flight requests finish (or timed out)
 
     app = FastAPI(title="r3jax inference server", version="1", lifespan=lifespan,
                   description=__doc__, docs_url=None, redoc_url=None)
-    app.state.engine, app.state.batcher = engine, batcher
+    app.state.engine, app.state.batcher, app.state.ready = engine, bridge, ready
 
     app.add_middleware(Guard, limit=max_body_bytes, token=token)
 
@@ -167,8 +216,10 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
 
     @app.get("/health")
     async def health():
-        if batcher.closing:
+        if bridge.closing:
             return _json({"status": "shutting_down"}, 503, {"Retry-After": "1"})
+        if not ready.is_set():
+            return _json({"status": "warming_up"}, 503, {"Retry-After": "1"})
         return {"status": "ok", "weight_version": int(engine.weight_version)}
 
     @app.get("/v1/model", response_model=schema.ModelInfo)
@@ -177,11 +228,16 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
 
     @app.get("/v1/stats")
     async def stats():
-        return {**batcher.stats, "queued": batcher.queued, "sessions": dict(sessions),
-                "engine": _jsonable(dict(getattr(engine, "stats", {}) or {}))}
+        eng = _jsonable(dict(getattr(engine, "stats", {}) or {}))
+        return {**bridge.stats, "in_flight": bridge.in_flight, "queued": bridge.queued,
+                "batches": eng.get("decode_calls", 0), "max_batch": eng.get("max_live_slots", 0),
+                "sessions": dict(sessions), "warmup": warm,
+                "routes": {"gather_s": float(eng.get("route_gather_s", 0.0)), **route_stats},
+                "engine": eng}
 
     @app.post("/v1/generate", responses={200: {"model": schema.GenerateResponse},
-                                         422: {"description": "invalid field"}},
+                                         422: {"description": "invalid field"},
+                                         503: {"description": "not served; retry (see Retry-After)"}},
               openapi_extra=_body_schema("GenerateBody"))
     async def generate(request: Request):
         body = schema.parse_json(await request.body(), schema.GenerateBody)
@@ -190,38 +246,61 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
             sessions[req.session_id] = sessions.pop(req.session_id, 0) + 1
             if len(sessions) > MAX_SESSIONS:
                 sessions.popitem(last=False)
+        task = asyncio.ensure_future(bridge.submit(req))
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            out = await batcher.submit(req)
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not task.done():  # the client went away: cancel, which frees the request's slot
+            task.cancel()
+            return Response(status_code=499)
+        try:
+            out = task.result()
         except ShuttingDown as e:  # also Overloaded: not started, so safe to retry
-            return _json({"error": "unavailable", "detail": str(e)}, 503, {"Retry-After": "1"})
-        except ValueError as e:  # the engine refused it: still the client's input
-            raise schema.engine_error(e) from None
+            return _unavailable(str(e))
+        except EngineAborted as e:  # stopped by a weight update: nothing was returned, retry it
+            return _unavailable(str(e), "aborted")
+        except FieldError as e:  # the engine refused it: still the client's input
+            raise schema.InputError(_body_field(e.field), e.message) from None
         binary = BINARY_MEDIA_TYPE in request.headers.get("accept", "")
         routes = out.routed_experts
         if routes is not None and routes.nbytes > OFFLOAD_BYTES:  # base64 + JSON of MBs: off the loop
-            return await asyncio.to_thread(_response, out, layers, binary)
-        return _response(out, layers, binary)
+            return await asyncio.to_thread(_response, out, layers, binary, route_stats)
+        return _response(out, layers, binary, route_stats)
 
     @app.post("/v1/weights", openapi_extra=_body_schema("WeightsBody"))
     async def weights(request: Request):
         body = schema.parse_json(await request.body(), schema.WeightsBody)
+        abort = request.query_params.get("abort_in_flight", "false").lower()
+        if abort not in ("true", "false", "1", "0"):
+            raise schema.InputError("abort_in_flight", f"abort_in_flight={abort!r}: expected true or false")
         async with weights_lock:  # one load at a time; generation keeps running meanwhile
             try:
                 state = await asyncio.to_thread(load_weights, body.path, body.format, engine)
             except schema.InputError:
                 raise
-            except Exception as e:  # a missing or mismatched checkpoint is bad input, not a crash
+            except (ValueError, OSError) as e:  # a missing, unreadable or mismatched checkpoint: bad input
                 log.warning("weights load failed: %s", e)
                 raise schema.InputError("path", f"path={body.path!r} ({body.format}): "
                                         f"{type(e).__name__}: {e}") from None
+            kwargs = {"abort_in_flight": True} if abort in ("true", "1") else {}
             try:
-                version = await batcher.run_exclusive(lambda: engine.set_weights(state))
+                version = await bridge.run_exclusive(lambda: engine.set_weights(state, **kwargs))
             except ValueError as e:  # the engine's own structure / shape check
                 raise schema.InputError("path", f"path={body.path!r}: {e}") from None
         return {"weight_version": int(version)}
 
     _register_body_schemas(app, schema.GenerateBody, schema.WeightsBody)
     return app
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body is already read, so the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 def _body_schema(name: str) -> dict:

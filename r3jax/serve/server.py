@@ -2,10 +2,15 @@
 
     python -m r3jax serve --model tiny --host 127.0.0.1 --port 8000 [--api-key KEY]
         [--max-batch-size 32] [--max-seq-len 256] [--seed 0] [--config PRESET|HF_DIR]
+        [--compilation-cache DIR] [--static]
 
 ``--model``: a preset (``tiny``), a Hugging Face directory or an orbax params directory (see
 :mod:`r3jax.serve.weights`). Binds to loopback unless ``--host`` says otherwise. ``--port 0`` picks a
-free port. Prints ``r3jax serve: listening on http://HOST:PORT`` once the socket is bound.
+free port. Prints ``r3jax serve: listening on http://HOST:PORT`` once the socket is bound; then every
+device program is compiled (``/health`` answers 503 ``{"status": "warming_up"}`` until it is done, then
+200) and ``r3jax serve: warm-up compiled N programs in S s`` is logged. ``--compilation-cache DIR`` keeps
+compiled programs in JAX's persistent cache, so a restart warms up from disk. ``--static`` serves the
+old way (a batch is admitted only when every slot is free, and decodes to completion), for comparisons.
 
 SIGTERM / SIGINT: uvicorn stops accepting connections, lets in-flight requests finish (up to
 ``--graceful-timeout`` seconds), then the app refuses anything still queued with 503 (clients retry
@@ -33,51 +38,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-batch-size", type=int, default=32)
     ap.add_argument("--max-seq-len", type=int, default=256)
     ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    ap.add_argument("--batch-wait-ms", type=float, default=2.0, help="bounded wait to fill a batch")
+    ap.add_argument("--batch-wait-ms", type=float, default=None,
+                    help="ignored (kept for old scripts): requests join decode slots as they arrive")
     ap.add_argument("--seed", type=int, default=0, help="init seed of a preset model")
     ap.add_argument("--prefix-cache-mb", type=float, default=64.0,
                     help="device memory for the engine's prefix cache (0 turns it off)")
-    ap.add_argument("--warmup", default=None, metavar="P:G",
-                    help="before serving, compile every batch-size bucket for P-token prompts and G new tokens")
+    ap.add_argument("--compilation-cache", default=None, metavar="DIR",
+                    help="JAX persistent compilation cache directory (a restart reuses compiled programs)")
+    ap.add_argument("--decode-steps", type=int, default=8, help="tokens per slot per decode call")
+    ap.add_argument("--static", action="store_true",
+                    help="admit a batch only when every slot is free (the old static batching; for benchmarks)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                     help="param and compute dtype (default: the checkpoint's / preset's)")
     ap.add_argument("--graceful-timeout", type=float, default=30.0)
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)
-    for name in ("max_batch_size", "max_seq_len", "max_body_bytes"):
+    for name in ("max_batch_size", "max_seq_len", "max_body_bytes", "decode_steps"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= 1")
     if not 0 <= args.port < 65536:
         ap.error(f"--port={args.port}: expected 0..65535")
     if args.prefix_cache_mb < 0:
         ap.error(f"--prefix-cache-mb={args.prefix_cache_mb}: expected >= 0")
-    if args.warmup is not None:
-        try:
-            p, g = (int(x) for x in args.warmup.split(":"))
-            assert p >= 1 and g >= 1 and p + g <= args.max_seq_len
-        except (ValueError, AssertionError):
-            ap.error(f"--warmup={args.warmup!r}: expected P:G, ints >= 1 with P + G <= --max-seq-len")
-        args.warmup = (p, g)
     return args
-
-
-def warmup(engine, prompt_len: int, max_tokens: int) -> int:
-    """Run one batch of every power-of-two size up to ``engine.max_batch_size`` (each a batch-size
-    bucket of the engine), routes on, so those programs are compiled before the first request.
-    Distinct prompts: no prefix-cache hits change the shapes. Returns the engine's program count."""
-    from r3jax.engine import GenerateRequest
-
-    vocab, b, k = engine.config.vocab_size, 1, 0
-    while True:
-        reqs = []
-        for _ in range(b):
-            reqs.append(GenerateRequest([(k * 7919 + j * 31 + 1) % vocab for j in range(prompt_len)],
-                                        max_tokens=max_tokens, temperature=0.0, return_routed_experts=True))
-            k += 1
-        engine.generate(reqs)
-        if b >= engine.max_batch_size:
-            return int(engine.stats.get("compiled_programs", 0))
-        b = min(2 * b, engine.max_batch_size)
 
 
 def build_engine(args: argparse.Namespace):
@@ -89,7 +72,19 @@ def build_engine(args: argparse.Namespace):
     dtype = None if args.dtype is None else getattr(jnp, args.dtype)
     model = build_model(args.model, config=args.config, seed=args.seed, dtype=dtype)
     return Engine(model, max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
-                  prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)))
+                  prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)), decode_steps=args.decode_steps,
+                  static=args.static)
+
+
+def use_compilation_cache(directory: str) -> None:
+    """Keep every compiled program in JAX's persistent cache under ``directory`` (any size, any
+    compile time), so a restarted server loads its programs instead of compiling them."""
+    import jax
+
+    os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def serve(app, sock: socket.socket, *, log_level: str = "warning", graceful_timeout: float = 30.0):
@@ -118,14 +113,16 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from r3jax.serve.app import create_app
 
+    if args.compilation_cache is not None:
+        use_compilation_cache(args.compilation_cache)
+    # The engine thread hands the GIL to the event loop around every device call; with the default 5 ms
+    # switch interval each hand-back can wait that long while HTTP work runs, stalling every slot.
+    sys.setswitchinterval(0.0005)
     try:
         engine = build_engine(args)
     except (ValueError, FileNotFoundError) as e:  # a bad --model / --config: say so, no traceback
         raise SystemExit(f"python -m r3jax serve: {e}") from None
-    if args.warmup is not None:
-        warmup(engine, *args.warmup)
-    app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                     max_wait_s=args.batch_wait_ms / 1000)
+    app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, restores these handlers and re-raises the
     # signal: exit 0 then, instead of dying by the signal after a clean shutdown.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1,4 +1,5 @@
-"""Shared fixtures: one tiny model per session and a full-sequence reference forward over it."""
+"""Shared fixtures: one tiny model per session, the engine configuration every test shares (so its
+programs compile once per session), one warmed engine, and a full-sequence reference forward."""
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +8,12 @@ import pytest
 from flax import nnx
 
 from models import MoeConfig, MoeTransformer
+from r3jax.engine import Engine
 
 REF_ROWS, REF_LEN = 4, 64  # the reference forward always runs at this shape: one compilation
+# one engine configuration for the whole directory: equal configurations share compiled programs
+ENGINE_KW = dict(max_seq_len=64, max_batch_size=4, block_size=8, prefill_chunk=32, min_prefill_chunk=32,
+                 prefill_rows=4, moe_impl="dense")  # dense: the cheapest kernel to compile (gather: test_kernels.py)
 
 
 @pytest.fixture(scope="session")
@@ -17,10 +22,34 @@ def tiny_model():
 
 
 @pytest.fixture(scope="session")
+def make_engine():
+    """``make_engine(model, **overrides) -> Engine`` with the shared configuration; closed at the end."""
+    made = []
+
+    def make(model, **kw):
+        engine = Engine(model, **{**ENGINE_KW, **kw})
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model, make_engine):
+    """The shared, warmed engine. Tests that change its weights restore them."""
+    eng = make_engine(tiny_model)
+    eng.warmup()
+    return eng
+
+
+@pytest.fixture(scope="session")
 def reference(tiny_model):
     """``reference(seqs) -> [(logits [n, V] f32, live_routes [n, L, K] int32)]``: a full-sequence
     forward (no cache) of each token list, right-padded (causal attention: padding after a token
-    cannot change it)."""
+    cannot change it). Teacher-forced on prompt + output[:-1], its argmax at positions P-1.. is the
+    greedy decode of the old static engine, and its routes are the rows that engine returned."""
     graphdef, state = nnx.split(tiny_model)
 
     @jax.jit

@@ -6,14 +6,9 @@ import pytest
 from flax import nnx
 
 from models import MoeConfig
-from r3jax.engine import Engine, GenerateRequest
+from r3jax.engine import GenerateRequest
 
-MAX_SEQ, BLOCK = 64, 8
 V = MoeConfig.tiny().vocab_size
-
-
-def _engine(model, **kw):
-    return Engine(model, max_seq_len=MAX_SEQ, max_batch_size=4, block_size=BLOCK, prefill_chunk=32, **kw)
 
 
 def _tokens(seed, n):
@@ -32,8 +27,8 @@ def _conversation(engine, turns=3, first=12, user=6, gen=8):
     return outs
 
 
-def test_three_turns_with_cache_equal_without_and_prefill_far_less(tiny_model):
-    cached, plain = _engine(tiny_model), _engine(tiny_model, prefix_cache_bytes=0)
+def test_three_turns_with_cache_equal_without_and_prefill_far_less(tiny_model, make_engine):
+    cached, plain = make_engine(tiny_model), make_engine(tiny_model, prefix_cache_bytes=0)
     with_cache, without = _conversation(cached), _conversation(plain)
     for a, b in zip(with_cache, without):
         assert a.output_ids == b.output_ids
@@ -54,9 +49,9 @@ def test_three_turns_with_cache_equal_without_and_prefill_far_less(tiny_model):
 
 
 @pytest.fixture()
-def small_budget(tiny_model):
-    block_bytes = _engine(tiny_model).stats["prefix_cache_block_bytes"]
-    return _engine(tiny_model, prefix_cache_bytes=4 * block_bytes + block_bytes // 2)  # room for 4 blocks
+def small_budget(tiny_model, engine, make_engine):
+    block_bytes = engine.stats["prefix_cache_block_bytes"]
+    return make_engine(tiny_model, prefix_cache_bytes=4 * block_bytes + block_bytes // 2)  # room for 4 blocks
 
 
 def _run(engine, prompt):
@@ -91,8 +86,8 @@ def test_set_weights_drops_the_cache_and_bumps_the_version(tiny_model, small_bud
     np.testing.assert_array_equal(again.routed_experts, first.routed_experts)
 
 
-def test_identical_prefixes_in_one_batch_are_stored_once(tiny_model):
-    eng = _engine(tiny_model)
+def test_identical_prefixes_in_one_batch_are_stored_once(tiny_model, make_engine):
+    eng = make_engine(tiny_model)
     prompt = _tokens(4, 20)
     outs = eng.generate([GenerateRequest(prompt_ids=prompt, max_tokens=1, temperature=0.0,
                                          return_routed_experts=True)] * 4)

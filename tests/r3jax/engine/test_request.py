@@ -1,25 +1,25 @@
-"""Host-side validation: bad requests raise ValueError naming the field and value, before anything
-is compiled or run."""
+"""Host-side validation: bad requests raise FieldError (a ValueError carrying its field) naming the
+field and value, before anything is queued or run; the rules are r3jax.checks'."""
 
 import numpy as np
 import pytest
 
+from r3jax.checks import FieldError
 from r3jax.engine import Engine, GenerateRequest
 
 MAX_SEQ = 64
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model):
-    return Engine(tiny_model, max_seq_len=MAX_SEQ, max_batch_size=4)
-
-
-def _rejects(engine, match, **fields):
+def _rejects(engine, match, field=None, **fields):
     before = dict(engine.stats)
-    with pytest.raises(ValueError, match=match):
-        engine.generate([GenerateRequest(**{"prompt_ids": [1, 2, 3, 4], **fields})])
-    assert engine.stats == before  # nothing compiled, nothing run, no counter moved
-    assert engine.stats["compiled_programs"] == 0
+    req = GenerateRequest(**{"prompt_ids": [1, 2, 3, 4], **fields})
+    with pytest.raises(FieldError, match=match) as err:
+        engine.generate([req])
+    assert engine.stats == before  # nothing queued, nothing run, no counter moved
+    assert err.value.field == "requests[0]." + (field or next(iter(fields)))
+    with pytest.raises(FieldError, match=match):
+        engine.submit(req)
+    assert engine.stats == before
 
 
 @pytest.mark.parametrize("s, shown", [(-1, "-1"), (5, "5"), (True, "True"), (False, "False"),
@@ -39,6 +39,8 @@ def test_prompt_start_in_range_is_accepted(s):
 
 def test_empty_prompt(engine):
     _rejects(engine, r"prompt_ids=\[\]: expected at least one token id", prompt_ids=[])
+    with pytest.raises(FieldError, match="stop_token_ids has 65 ids: expected at most 64"):
+        engine.submit(GenerateRequest(prompt_ids=[1], stop_token_ids=[1] * 65))
 
 
 @pytest.mark.parametrize("prompt, match", [
@@ -51,7 +53,10 @@ def test_empty_prompt(engine):
     (np.array([[1, 2]]), r"prompt_ids: array of dtype int64 and shape \(1, 2\)"),
 ])
 def test_bad_prompt_ids(engine, prompt, match):
-    _rejects(engine, match, prompt_ids=prompt)
+    before = dict(engine.stats)
+    with pytest.raises(FieldError, match=match) as err:
+        engine.generate([GenerateRequest(prompt_ids=prompt)])
+    assert err.value.field.startswith("requests[0].prompt_ids") and engine.stats == before
 
 
 def test_prompt_plus_max_tokens_over_max_seq_len(engine):
@@ -78,15 +83,20 @@ def test_max_tokens_below_one_or_not_int(engine, value):
     ("session_id", 7, r"session_id=7: expected a str or None"),
 ])
 def test_other_fields(engine, field, value, match):
-    _rejects(engine, match, **{field: value})
+    before = dict(engine.stats)
+    with pytest.raises(FieldError, match=match) as err:
+        engine.generate([GenerateRequest(**{"prompt_ids": [1, 2, 3, 4], field: value})])
+    assert err.value.field.startswith(f"requests[0].{field}") and engine.stats == before
 
 
 def test_error_names_the_request_and_nothing_runs_for_the_good_ones(engine):
     good = GenerateRequest(prompt_ids=[1, 2], max_tokens=2)
     bad = GenerateRequest(prompt_ids=[1, 2], max_tokens=0)
-    with pytest.raises(ValueError, match=r"^requests\[1\]\.max_tokens=0"):
+    before = dict(engine.stats)
+    with pytest.raises(FieldError, match=r"^requests\[1\]\.max_tokens=0") as err:
         engine.generate([good, bad])
-    assert engine.stats["requests"] == 0 and engine.stats["compiled_programs"] == 0
+    assert err.value.field == "requests[1].max_tokens" and err.value.value == 0
+    assert engine.stats == before
 
 
 @pytest.mark.parametrize("requests, match", [

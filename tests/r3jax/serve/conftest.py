@@ -38,7 +38,7 @@ def wait_healthy(url: str, timeout: float = 120.0, proc: subprocess.Popen | None
 class ThreadServer:
     """uvicorn running ``app`` in a daemon thread on 127.0.0.1 (port 0: a free one)."""
 
-    def __init__(self, app, port: int = 0, graceful_timeout: float = 10.0):
+    def __init__(self, app, port: int = 0, graceful_timeout: float = 10.0, wait: bool = True):
         import uvicorn
 
         from r3jax.serve.server import bind
@@ -50,7 +50,8 @@ class ThreadServer:
                                                     timeout_graceful_shutdown=graceful_timeout))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
-        wait_healthy(self.url, timeout=60)
+        if wait:  # until /health says 200: the app has warmed up its engine
+            wait_healthy(self.url, timeout=300)
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -87,7 +88,9 @@ def start_process(port: int, *args: str, cache_dir: Path) -> subprocess.Popen:
 
 class FakeEngine:
     """Engine stand-in (no JAX): token t of a reply is (sum(prompt) + t) % V; route row i is
-    ``(i + l + k) % E``; ``gate`` (a threading.Event) can hold every generate call."""
+    ``(i + l + k) % E``; ``gate`` (a threading.Event) can hold every generate call. It has no
+    ``submit``: the app's bridge runs ``generate([request])`` on ``max_batch_size`` threads (its
+    "slots"); ``warm_gate`` can hold ``warmup``."""
 
     def __init__(self, max_seq_len: int = 64, max_batch_size: int = 4):
         from models import MoeConfig
@@ -95,8 +98,15 @@ class FakeEngine:
         self.config = MoeConfig.tiny()
         self.max_seq_len, self.max_batch_size = max_seq_len, max_batch_size
         self.moe_layer_ids = self.config.moe_layer_ids
-        self.weight_version, self.batches, self.gate = 0, [], None
+        self.weight_version, self.batches, self.gate, self.warm_gate = 0, [], None, None
         self.stats = {"requests": 0}
+        self.warmed_up = False
+
+    def warmup(self):
+        if self.warm_gate is not None:
+            self.warm_gate.wait(30)
+        self.warmed_up = True
+        return {"programs": 0, "seconds": 0.0}
 
     def generate(self, requests):
         from r3jax.engine import GenerateOutput
@@ -118,7 +128,7 @@ class FakeEngine:
         self.stats["requests"] += len(requests)
         return outs
 
-    def set_weights(self, state) -> int:
+    def set_weights(self, state, abort_in_flight: bool = False) -> int:
         self.weight_version += 1
         return self.weight_version
 
@@ -130,5 +140,5 @@ def serve_helpers():
         pass
     h = H()
     h.wait_healthy, h.thread_server, h.ThreadServer = wait_healthy, thread_server, ThreadServer
-    h.free_port, h.start_process, h.FakeEngine = free_port, start_process, FakeEngine
+    h.free_port, h.start_process, h.FakeEngine, h.REPO = free_port, start_process, FakeEngine, REPO
     return h

@@ -25,11 +25,17 @@ def model():
     return MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0))
 
 
+# the engine tests' configuration (tests/r3jax/engine/conftest.py): run together, they share programs
+ENGINE_KW = dict(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, block_size=8, prefill_chunk=32, min_prefill_chunk=32,
+                 prefill_rows=4, moe_impl="dense")
+
+
 @pytest.fixture(scope="module")
 def served(serve_helpers, model):
-    engine = Engine(model, max_seq_len=MAX_SEQ_LEN, max_batch_size=4)
-    with serve_helpers.thread_server(create_app(engine, max_body_bytes=64 << 10)) as srv:
+    engine = Engine(model, **ENGINE_KW)
+    with serve_helpers.thread_server(create_app(engine, max_body_bytes=64 << 10)) as srv:  # waits for warm-up
         yield engine, srv.url
+    engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +71,7 @@ REQUESTS = [
 def test_round_trip_equals_in_process_engine(served, binary):
     engine, url = served
     with RemoteInferenceClient(url, binary_routes=binary) as client:
-        for req in REQUESTS:  # one at a time: the same batch shape as the in-process call
+        for req in REQUESTS:
             [remote] = client.generate([req])
             [local] = engine.generate([req])
             same(remote, local)
@@ -303,11 +309,71 @@ def test_model_flag_loads_presets_hf_and_orbax_directories(model, tmp_path):
 def test_cli_arguments_are_checked(capsys):
     from r3jax.serve.server import parse_args
 
-    args = parse_args(["--port", "0", "--warmup", "8:4", "--prefix-cache-mb", "0"])
-    assert (args.model, args.host, args.port, args.warmup, args.max_seq_len) == ("tiny", "127.0.0.1", 0, (8, 4), 256)
-    for bad, msg in ((["--warmup", "8"], "--warmup"), (["--warmup", "250:10"], "--warmup"),
-                     (["--max-batch-size", "0"], "--max-batch-size"), (["--port", "70000"], "--port"),
+    args = parse_args(["--port", "0", "--prefix-cache-mb", "0", "--compilation-cache", "/tmp/x", "--static"])
+    assert (args.model, args.host, args.port, args.max_seq_len) == ("tiny", "127.0.0.1", 0, 256)
+    assert (args.compilation_cache, args.static, args.decode_steps) == ("/tmp/x", True, 8)
+    for bad, msg in ((["--max-batch-size", "0"], "--max-batch-size"), (["--port", "70000"], "--port"),
+                     (["--port", "-1"], "--port"), (["--decode-steps", "0"], "--decode-steps"),
                      (["--prefix-cache-mb", "-1"], "--prefix-cache-mb")):
         with pytest.raises(SystemExit):
             parse_args(bad)
         assert msg in capsys.readouterr().err
+
+
+def test_bad_port_fails_cleanly_under_python_O(serve_helpers):
+    """Input checks are not asserts: with -O (asserts stripped) a bad --port is still refused by name."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-O", "-m", "r3jax", "serve", "--port", "-1"], cwd=serve_helpers.REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--port=-1: expected 0..65535" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_stats_report_route_transfer_and_a_fixed_program_count(served):
+    engine, url = served
+    before = httpx.get(url + "/v1/stats").json()
+    programs = before["engine"]["compiled_programs"]
+    assert engine.warmed_up and programs > 0
+    rows = 0
+    for binary, (p, s, g) in zip((False, True, False), ((5, 0, 4), (9, 3, 6), (4, 4, 1))):
+        body = {"prompt_ids": list(range(1, p + 1)), "return_routed_experts": True,
+                "sampling_params": {"max_tokens": g, "temperature": 0.0, "routed_experts_prompt_start": s}}
+        headers = {"Accept": "application/vnd.r3jax.generate+binary"} if binary else {}
+        assert httpx.post(url + "/v1/generate", json=body, headers=headers, timeout=60).status_code == 200
+        rows += p - s + g - 1
+    httpx.post(url + "/v1/generate", json={"prompt_ids": [1, 2]}, timeout=60)  # no routes: not counted
+    after = httpx.get(url + "/v1/stats").json()
+    r0, r1 = before["routes"], after["routes"]
+    assert set(r1) == {"gather_s", "encode_s", "rows", "bytes", "responses"}
+    assert r1["responses"] - r0["responses"] == 3 and r1["rows"] - r0["rows"] == rows
+    # bytes on the wire: base64 of rows * L * K uint8 (JSON), the raw frame (binary)
+    assert r1["bytes"] - r0["bytes"] >= rows * 2 * 2
+    assert r1["gather_s"] > r0["gather_s"] and r1["encode_s"] > r0["encode_s"]
+    assert after["engine"]["compiled_programs"] == programs  # nothing compiled after warm-up
+
+
+def test_weight_update_with_abort_is_503_retryable(served, serve_helpers, model):
+    import concurrent.futures
+    import time
+
+    engine, _ = served
+    params = nnx.state(model, nnx.Param)
+    app = create_app(engine, load_weights=lambda path, fmt, eng: params)
+    long = {"prompt_ids": [3, 4, 5], "sampling_params": {"max_tokens": 60, "temperature": 0.0}}
+    with serve_helpers.thread_server(app) as srv, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        version = engine.weight_version
+        running = [pool.submit(httpx.post, srv.url + "/v1/generate", json=long, timeout=60) for _ in range(4)]
+        while engine.stats["live_slots"] < 4:
+            time.sleep(0.001)
+        r = httpx.post(srv.url + "/v1/weights?abort_in_flight=true", json={"path": "/w", "format": "orbax"},
+                       timeout=60)
+        assert r.status_code == 200 and r.json() == {"weight_version": version + 1}
+        for f in running:
+            reply = f.result()
+            assert reply.status_code == 503 and reply.headers["retry-after"] == "1", reply.text
+            assert reply.json()["retryable"] is True and reply.json()["error"] == "aborted"
+        again = httpx.post(srv.url + "/v1/generate", json=long, timeout=60).json()
+        assert again["weight_version"] == version + 1 and len(again["output_ids"]) == 60
+        bad = httpx.post(srv.url + "/v1/weights?abort_in_flight=maybe", json={"path": "/w", "format": "orbax"})
+        assert bad.status_code == 422 and bad.json()["field"] == "abort_in_flight"

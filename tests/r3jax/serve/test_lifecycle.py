@@ -1,5 +1,6 @@
 """Server behaviour that needs control over timing, with a gated fake engine (no JAX programs):
-dynamic batching, a weight update while a batch runs, graceful shutdown with a request in flight."""
+/health while warming up, graceful shutdown with a request in flight, a full queue, and a client
+that disconnects cancelling its request."""
 
 from __future__ import annotations
 
@@ -37,35 +38,29 @@ def gated(serve_helpers):
         engine.gate.set()
 
 
-def post(url, prompt, max_tokens=2):
+def post(url, prompt, max_tokens=2, timeout=30):
     return httpx.post(url + "/v1/generate", json={"prompt_ids": prompt, "sampling_params": {"max_tokens": max_tokens}},
-                      timeout=30)
+                      timeout=timeout)
 
 
-def test_concurrent_requests_are_gathered_into_batches(gated):
-    engine, srv, pool = gated
-    first = pool.submit(post, srv.url, [1])
-    poll(lambda: stats(srv.url)["in_flight"] == 1)  # the engine is busy with a batch of one
-    rest = [pool.submit(post, srv.url, [2, i]) for i in range(10)]
-    poll(lambda: stats(srv.url)["queued"] == 10)
-    engine.gate.set()
-    replies = [f.result() for f in [first, *rest]]
-    assert [r.status_code for r in replies] == [200] * 11
-    assert [r.json()["output_ids"][0] for r in replies[1:]] == [(2 + i) % 272 for i in range(10)]
-    assert engine.batches == [1, 4, 4, 2]  # bounded by max_batch_size=4, nothing lost
-    s = stats(srv.url)
-    assert (s["requests"], s["batches"], s["batched_requests"], s["max_batch"]) == (11, 4, 11, 4)
+def test_health_is_503_warming_up_until_every_program_is_compiled(serve_helpers):
+    engine = serve_helpers.FakeEngine()
+    engine.warm_gate = threading.Event()
 
+    def health(url):
+        try:
+            return httpx.get(url + "/health", timeout=2.0)
+        except httpx.TransportError:  # not listening yet
+            return None
 
-def test_weight_update_waits_for_the_running_batch(gated):
-    engine, srv, pool = gated
-    running = pool.submit(post, srv.url, [1, 2, 3])
-    poll(lambda: stats(srv.url)["in_flight"] == 1)
-    update = pool.submit(httpx.post, srv.url + "/v1/weights", json={"path": "/w", "format": "orbax"}, timeout=30)
-    engine.gate.set()
-    assert running.result().json()["weight_version"] == 0  # finished on the weights it started with
-    assert update.result().json() == {"weight_version": 1}
-    assert post(srv.url, [1, 2, 3]).json()["weight_version"] == 1
+    with serve_helpers.thread_server(create_app(engine), wait=False) as srv:
+        r = poll(lambda: health(srv.url))
+        assert r.status_code == 503 and r.json() == {"status": "warming_up"} and r.headers["retry-after"] == "1"
+        assert not engine.warmed_up
+        engine.warm_gate.set()
+        serve_helpers.wait_healthy(srv.url)
+        assert engine.warmed_up and health(srv.url).json()["status"] == "ok"
+        assert stats(srv.url)["warmup"] == {"programs": 0, "seconds": 0.0}
 
 
 def test_graceful_shutdown_finishes_the_request_in_flight(gated):
@@ -89,6 +84,16 @@ def test_graceful_shutdown_finishes_the_request_in_flight(gated):
     assert not srv.thread.is_alive()
 
 
+def test_client_disconnect_cancels_its_request(gated):
+    engine, srv, pool = gated
+    with pytest.raises(httpx.ReadTimeout):
+        post(srv.url, [1, 2], timeout=0.5)  # the client gives up and closes the connection
+    poll(lambda: stats(srv.url)["cancelled"] == 1)  # the server noticed and cancelled the engine request
+    engine.gate.set()
+    poll(lambda: stats(srv.url).get("cancelled_in_engine") == 1)  # its output was never delivered
+    assert stats(srv.url)["in_flight"] == 0
+
+
 def test_full_queue_is_503_and_the_client_retries_later(serve_helpers):
     from r3jax.engine import GenerateRequest
     from r3jax.serve import RemoteInferenceClient
@@ -97,10 +102,11 @@ def test_full_queue_is_503_and_the_client_retries_later(serve_helpers):
     engine.gate = threading.Event()
     with serve_helpers.thread_server(create_app(engine, max_queue=2)) as srv, \
             concurrent.futures.ThreadPoolExecutor(4) as pool:
-        held = [pool.submit(post, srv.url, [i + 1]) for i in range(3)]  # 1 running + 2 queued
-        poll(lambda: stats(srv.url)["queued"] == 2 and stats(srv.url)["in_flight"] == 1)
+        held = [pool.submit(post, srv.url, [i + 1]) for i in range(3)]  # 1 in the slot + 2 queued
+        poll(lambda: stats(srv.url)["queued"] == 2 and stats(srv.url)["in_flight"] == 3)
         r = post(srv.url, [9])
         assert r.status_code == 503 and r.headers["retry-after"] == "1" and "max_queue=2" in r.json()["detail"]
+        assert r.json()["retryable"] is True
         with RemoteInferenceClient(srv.url, backoff_s=0.01, max_backoff_s=0.05, health_interval_s=0.0,
                                    max_retries=1000) as client:
             later = pool.submit(client.generate, [GenerateRequest([9], max_tokens=2)])

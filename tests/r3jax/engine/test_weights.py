@@ -1,0 +1,121 @@
+"""Weight updates while requests decode: drain finishes in-flight requests on the old weights, abort
+fails them with the retryable EngineAborted, no output mixes versions, and the prefix cache never
+serves routes of old weights after a change (compared with a fresh engine built on the new weights)."""
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import MoeConfig, MoeTransformer
+from r3jax.engine import EngineAborted, GenerateRequest
+
+V = MoeConfig.tiny().vocab_size
+
+
+def _req(i, n=40, p=6):
+    return GenerateRequest(prompt_ids=np.random.default_rng(70 + i).integers(0, V, p).tolist(), max_tokens=n,
+                           temperature=0.0, return_routed_experts=True, routed_experts_prompt_start=2)
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_model, make_engine):
+    """(original params, scaled params, a fresh engine built on the scaled params)."""
+    _, params, _ = nnx.split(tiny_model, nnx.Param, ...)
+    scaled = jax.tree.map(lambda x: x * 1.5, params)
+    other = MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0))
+    nnx.update(other, scaled)
+    return params, scaled, make_engine(other)
+
+
+def _wait_live(engine, n):
+    while engine.stats["live_slots"] < n:
+        time.sleep(0.001)
+
+
+def _same(a, b):
+    assert a.output_ids == b.output_ids
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
+    np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
+
+
+def test_drain_finishes_in_flight_on_the_old_weights_then_swaps(engine, weights):
+    params, scaled, fresh = weights
+    reqs = [_req(i) for i in range(4)]
+    old = engine.generate(reqs)  # what the old weights give
+    new = fresh.generate(reqs)
+    assert any(a.output_ids != b.output_ids for a, b in zip(old, new))  # the change is visible
+    v0 = engine.weight_version
+    running = [engine.submit(r) for r in reqs]
+    _wait_live(engine, 4)
+    swap = threading.Thread(target=engine.set_weights, args=(scaled,))
+    swap.start()
+    while not engine._sched.controls:  # the swap is pending: admission has stopped
+        time.sleep(0.001)
+    later = [engine.submit(r) for r in reqs[:2]]
+    swap.join(120)
+    assert engine.weight_version == v0 + 1
+    for fut, want in zip(running, old):
+        out = fut.result(timeout=60)
+        assert out.weight_version == v0
+        _same(out, want)  # every token and route row from the old weights
+    for fut, want in zip(later, new):
+        out = fut.result(timeout=60)
+        assert out.weight_version == v0 + 1
+        _same(out, want)  # every token and route row from the new weights
+    engine.set_weights(params)
+
+
+def test_abort_fails_in_flight_with_a_retryable_error(engine, weights):
+    params, scaled, fresh = weights
+    reqs = [_req(i) for i in range(4)]
+    running = [engine.submit(r) for r in reqs]
+    _wait_live(engine, 4)
+    aborted = engine.stats["aborted"]
+    version = engine.set_weights(scaled, abort_in_flight=True)
+    for fut in running:
+        with pytest.raises(EngineAborted, match="weight update") as err:
+            fut.result(timeout=60)
+        assert err.value.retryable
+    assert engine.stats["aborted"] == aborted + 4 and engine.stats["live_slots"] == 0
+    retried = engine.generate(reqs)  # the retry runs wholly on the new weights
+    for out, want in zip(retried, fresh.generate(reqs)):
+        assert out.weight_version == version
+        _same(out, want)
+    engine.set_weights(params)
+
+
+def test_prefix_cache_after_a_weight_change_serves_the_new_weights_routes(engine, weights):
+    params, scaled, fresh = weights
+    rng = np.random.default_rng(5)
+    turn1 = rng.integers(0, V, 20).tolist()
+    req = lambda prompt: GenerateRequest(prompt_ids=prompt, max_tokens=6, temperature=0.0,
+                                         return_routed_experts=True)
+    [first] = engine.generate([req(turn1)])  # its blocks are now cached (old weights)
+    turn2 = turn1 + first.output_ids + rng.integers(0, V, 5).tolist()
+    assert engine.generate([req(turn2)])[0].cached_tokens > 0  # same weights: a prefix hit
+    engine.set_weights(scaled)
+    [served] = engine.generate([req(turn2)])
+    assert served.cached_tokens == 0  # the old blocks are gone with their version
+    [want] = fresh.generate([req(turn2)])
+    _same(served, want)
+    [again] = engine.generate([req(turn2)])  # now a hit on blocks computed with the new weights
+    assert again.cached_tokens > 0
+    _same(again, want)
+    engine.set_weights(params)
+
+
+def test_set_weights_rejects_a_mismatched_tree(tiny_model, engine):
+    _, params, _ = nnx.split(tiny_model, nnx.Param, ...)
+    bad = jax.tree.map(lambda x: x, params)
+    bad["embed"].set_value(jnp.zeros((3, 3)))
+    version = engine.weight_version
+    with pytest.raises(ValueError, match=r"params_state\['embed'\].*shape \(3, 3\).*expected shape \(272, 64\)"):
+        engine.set_weights(bad)
+    with pytest.raises(ValueError, match=r"params_state: tree structure"):
+        engine.set_weights({"embed": params["embed"]})
+    assert engine.weight_version == version
