@@ -287,3 +287,37 @@ def test_hub_config_of_qwen3_30b_a3b_maps_to_the_preset():
         "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
         "vocab_size": 151936}
     assert config_from_hf(hub) == MoeConfig.qwen3_30b_a3b()
+
+
+def test_hub_configs_of_glm4_5_air_and_deepseek_v3_map_to_the_presets():
+    glm = {  # config.json of zai-org/GLM-4.5-Air on the hub
+        "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+        "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu",
+        "hidden_size": 4096, "partial_rotary_factor": 0.5, "initializer_range": 0.02, "intermediate_size": 10944,
+        "max_position_embeddings": 131072, "model_type": "glm4_moe", "moe_intermediate_size": 1408,
+        "norm_topk_prob": True, "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 128,
+        "n_shared_experts": 1, "routed_scaling_factor": 1.0, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+        "num_hidden_layers": 46, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_scaling": None,
+        "rope_theta": 1000000, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "use_cache": True, "use_qk_norm": False, "vocab_size": 151552}
+    assert config_from_hf(glm) == MoeConfig.glm4_5_air()
+    ds = {  # config.json of deepseek-ai/DeepSeek-V3 on the hub (fp8, YaRN)
+        "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "first_k_dense_replace": 3,
+        "hidden_act": "silu", "hidden_size": 7168, "intermediate_size": 18432, "kv_lora_rank": 512,
+        "model_type": "deepseek_v3", "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8,
+        "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
+        "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128, "q_lora_rank": 1536,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+        "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False, "topk_group": 4,
+        "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "v_head_dim": 128, "vocab_size": 129280,
+        "quantization_config": {"quant_method": "fp8"},
+        "rope_scaling": {"factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "type": "yarn"}}
+    with pytest.raises(ValueError, match=r"quantization_config is set: expected an unquantized checkpoint"):
+        config_from_hf(ds)
+    with pytest.raises(ValueError, match=r"rope_scaling.rope_type='yarn': expected 'default'"):
+        config_from_hf({**ds, "quantization_config": None})
+    assert config_from_hf({**ds, "quantization_config": None, "rope_scaling": None}) == MoeConfig.deepseek_v3()
+    kimi = {**ds, "quantization_config": None, "rope_scaling": None, "model_type": "kimi_k2", "vocab_size": 163840,
+            "num_attention_heads": 64, "num_key_value_heads": 64, "rope_theta": 50000.0, "n_routed_experts": 384,
+            "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.827}
+    assert config_from_hf(kimi) == MoeConfig.kimi_k2()
