@@ -116,3 +116,24 @@ def update_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
     """
     load = load.astype(jnp.float32)
     return bias + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+
+
+def update_state_biases(state: nnx.State, load: jax.Array, moe_layer_ids, rate: float) -> nnx.State:
+    """Apply :func:`update_bias` to every MoE layer's ``router_bias`` in a model state (e.g. the
+    trainer's ``TrainState.rest``, where ``nnx.split(model, nnx.Param, ...)`` puts it).
+
+    load [L, E] (``out.expert_load``, summed over a step); moe_layer_ids: the model's. Returns a new
+    state; the input is not modified. A model without biases (softmax router) is returned as is.
+    """
+    pure = nnx.to_pure_dict(state)
+    found = False
+    for m, i in enumerate(moe_layer_ids):
+        mlp = pure.get("layers", {}).get(i, {}).get("mlp", {})
+        if "router_bias" in mlp:
+            mlp["router_bias"] = update_bias(mlp["router_bias"], load[m], rate)
+            found = True
+    if not found:
+        return state
+    new = jax.tree.map(lambda x: x, state)
+    nnx.replace_by_pure_dict(new, pure)
+    return new

@@ -152,3 +152,20 @@ def test_dense_first_layer_ids_reach_payloads_and_replay_lands_on_its_layer():
         assert changed.tolist() == [i == m for i in range(cfg.num_moe_layers)]
         np.testing.assert_array_equal(rep.expert_load[:m], out.expert_load[:m])
         assert not np.array_equal(rep.expert_load[m], out.expert_load[m])
+
+
+def test_bias_update_on_the_model_state_follows_the_load():
+    cfg, model = _model("sigmoid_grouped_shared")
+    tokens, positions = _inputs(cfg)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    out = nnx.merge(graphdef, params, rest)(tokens, positions)
+    load = np.asarray(out.expert_load)  # [L, E]
+    assert load.shape == (cfg.num_moe_layers, cfg.num_experts) and (load.sum(-1) == B * T * cfg.top_k).all()
+    new = routers.update_state_biases(rest, out.expert_load, cfg.moe_layer_ids, 0.01)
+    for m, i in enumerate(cfg.moe_layer_ids):
+        old_b = np.asarray(rest["layers"][i]["mlp"]["router_bias"][...])
+        new_b = np.asarray(new["layers"][i]["mlp"]["router_bias"][...])
+        np.testing.assert_allclose(new_b - old_b, 0.01 * np.sign(load[m].mean() - load[m]), atol=1e-7)
+    soft_cfg, soft = _model("softmax_renorm")
+    _, _, soft_rest = nnx.split(soft, nnx.Param, ...)
+    assert routers.update_state_biases(soft_rest, out.expert_load, soft_cfg.moe_layer_ids, 0.01) is soft_rest
