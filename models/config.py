@@ -1,4 +1,5 @@
-"""Model configuration for the Qwen3-MoE-style transformer, with size presets."""
+"""Model configuration of the MoE transformer (Qwen3-MoE, OLMoE, Mixtral, GLM-4.5, DeepSeek-V3 / Kimi-K2
+families), with shape presets."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
+
+ROUTERS = ("softmax_topk", "sigmoid_bias_grouped")
 
 
 # expert kernels (models/moe.py): "ragged" dropless grouped matmul, "dense" one-hot reference, "loop"
@@ -15,11 +18,26 @@ MOE_IMPLS = ("ragged", "dense", "loop", "gather")
 
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
-    """Hyper-parameters of a decoder-only MoE transformer (Qwen3-MoE architecture).
+    """Hyper-parameters of a decoder-only MoE transformer.
 
     Layers ``0 .. first_dense_layers - 1`` use a dense SwiGLU MLP of ``dense_intermediate_size``;
-    every later layer is an MoE layer with ``num_experts`` experts of ``moe_intermediate_size``
-    and ``top_k`` experts per token.
+    every later layer is an MoE layer with ``num_experts`` experts of ``moe_intermediate_size``,
+    ``top_k`` experts per token and ``num_shared_experts`` always-on shared experts (one SwiGLU MLP
+    of ``num_shared_experts * moe_intermediate_size``; they have no route rows).
+
+    Routers (models/routers.py): ``"softmax_topk"`` (Qwen3-MoE, OLMoE, Mixtral; ``norm_topk_prob``
+    renormalises the K gates) and ``"sigmoid_bias_grouped"`` (DeepSeek-V3, Kimi-K2, GLM-4.5: sigmoid
+    scores, a non-trainable ``e_score_correction_bias`` for selection only, the best ``topk_group``
+    of ``n_group`` expert groups, ``norm_topk_prob``). Gates are multiplied by
+    ``routed_scaling_factor``.
+
+    Attention: ``"gqa"`` (``qk_norm`` per head or, with ``qk_norm_scope="full"``, over the whole
+    projection as OLMoE; ``attention_bias`` on q/k/v as GLM-4.5; RoPE on the first
+    ``partial_rotary_factor`` of each head; ``clip_qkv`` as OLMoE) or ``"mla"`` (DeepSeek multi-head
+    latent attention: ``q_lora_rank`` (0: a plain q projection), ``kv_lora_rank``,
+    ``qk_nope_head_dim + qk_rope_head_dim = head_dim``, ``v_head_dim <= head_dim``,
+    ``num_kv_heads = num_heads``; the KV cache holds every head's full key and its value padded to
+    ``head_dim``, so it keeps the GQA cache layout).
     """
 
     vocab_size: int = 272
@@ -44,6 +62,23 @@ class MoeConfig:
     # skips unchosen experts: decode on CPU)
     moe_impl: str = "ragged"
     router_aux_loss_coef: float = 0.001
+    # routing (models/routers.py)
+    router: str = "softmax_topk"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    num_shared_experts: int = 0
+    # attention variants
+    attention: str = "gqa"
+    qk_norm_scope: str = "head"
+    attention_bias: bool = False
+    partial_rotary_factor: float = 1.0
+    clip_qkv: float | None = None
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
 
     def __post_init__(self):
         checks = [
@@ -53,7 +88,32 @@ class MoeConfig:
              f"in [0, num_layers={self.num_layers}]"),
             ("moe_impl", self.moe_impl in MOE_IMPLS, "one of " + ", ".join(map(repr, MOE_IMPLS))),
             ("head_dim", self.head_dim % 2 == 0, "even (RoPE rotates pairs)"),
+            ("router", self.router in ROUTERS, f"one of {ROUTERS}"),
+            ("n_group", self.n_group >= 1 and self.num_experts % self.n_group == 0,
+             f">= 1 and dividing num_experts={self.num_experts}"),
+            ("n_group", self.n_group == 1 or self.num_experts // self.n_group >= 2,
+             "at most num_experts / 2 (a group's score is the sum of its top-2 experts)"),
+            ("topk_group", 1 <= self.topk_group <= self.n_group, f"in [1, n_group={self.n_group}]"),
+            ("topk_group", self.topk_group * (self.num_experts // self.n_group) >= self.top_k,
+             f"enough groups for top_k={self.top_k} experts (topk_group * num_experts / n_group >= top_k)"),
+            ("num_shared_experts", self.num_shared_experts >= 0, ">= 0"),
+            ("attention", self.attention in ("gqa", "mla"), "'gqa' or 'mla'"),
+            ("qk_norm_scope", self.qk_norm_scope in ("head", "full"), "'head' or 'full'"),
+            ("partial_rotary_factor", 0 < self.partial_rotary_factor <= 1
+             and int(self.head_dim * self.partial_rotary_factor) % 2 == 0,
+             "in (0, 1] with an even rotary dim int(head_dim * factor)"),
         ]
+        if self.attention == "mla":
+            checks += [
+                ("kv_lora_rank", self.kv_lora_rank >= 1, ">= 1 for attention='mla'"),
+                ("qk_rope_head_dim", 2 <= self.qk_rope_head_dim < self.head_dim
+                 and self.qk_rope_head_dim % 2 == 0,
+                 f"even, in [2, head_dim={self.head_dim}) (head_dim = qk_nope_head_dim + qk_rope_head_dim)"),
+                ("v_head_dim", 1 <= self.v_head_dim <= self.head_dim, f"in [1, head_dim={self.head_dim}]"),
+                ("num_kv_heads", self.num_kv_heads == self.num_heads,
+                 f"num_heads={self.num_heads} for attention='mla' (the cache holds every head)"),
+                ("q_lora_rank", self.q_lora_rank >= 0, ">= 0 (0: a plain q projection)"),
+            ]
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"MoeConfig.{name}={getattr(self, name)!r}: expected {expected}")
@@ -64,6 +124,11 @@ class MoeConfig:
         return tuple(range(self.first_dense_layers, self.num_layers))
 
     @property
+    def qk_nope_head_dim(self) -> int:
+        """MLA: the part of each query/key head without RoPE."""
+        return self.head_dim - self.qk_rope_head_dim
+
+    @property
     def num_moe_layers(self) -> int:
         return self.num_layers - self.first_dense_layers
 
@@ -71,10 +136,18 @@ class MoeConfig:
         return dataclasses.replace(self, **changes)
 
     def param_count(self) -> int:
-        """Total parameter count (all experts), computed from the shapes."""
-        d, hd = self.hidden_size, self.head_dim
-        attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads) + (2 * hd if self.qk_norm else 0)
-        moe = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts
+        """Total parameter count (all experts, shared experts; not the router bias), from the shapes."""
+        d, hd, h, hkv = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads
+        if self.attention == "mla":
+            ql, kvl, rope, v = self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim, self.v_head_dim
+            q = d * ql + ql + ql * h * hd if ql else d * h * hd
+            attn = q + d * (kvl + rope) + kvl + kvl * h * (self.qk_nope_head_dim + v) + h * v * d
+        else:
+            norm = (2 * hd if self.qk_norm_scope == "head" else (h + hkv) * hd) if self.qk_norm else 0
+            bias = (h + 2 * hkv) * hd if self.attention_bias else 0
+            attn = d * hd * (2 * h + 2 * hkv) + norm + bias
+        shared = 3 * d * self.num_shared_experts * self.moe_intermediate_size
+        moe = self.num_experts * 3 * d * self.moe_intermediate_size + d * self.num_experts + shared
         dense = 3 * d * self.dense_intermediate_size
         per_layer = attn + 2 * d
         total = self.num_layers * per_layer + self.num_moe_layers * moe + self.first_dense_layers * dense
@@ -109,7 +182,7 @@ class MoeConfig:
         """Shape-only preset of OLMoE-1B-7B (16 MoE layers, E=64, K=8, no top-k renormalisation)."""
         base = dict(vocab_size=50304, hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=16,
                     head_dim=128, num_experts=64, top_k=8, moe_intermediate_size=1024,
-                    norm_topk_prob=False, first_dense_layers=0, dense_intermediate_size=1024,
+                    norm_topk_prob=False, qk_norm_scope="full", first_dense_layers=0, dense_intermediate_size=1024,
                     dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
         return cls(**{**base, **overrides})
 
@@ -123,9 +196,52 @@ class MoeConfig:
         return cls(**{**base, **overrides})
 
     @classmethod
+    def qwen3_235b_a22b(cls, **overrides) -> "MoeConfig":
+        """Shape-only preset of Qwen3-235B-A22B (94 MoE layers, E=128, K=8)."""
+        base = dict(vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4,
+                    head_dim=128, rope_theta=1_000_000.0, num_experts=128, top_k=8,
+                    moe_intermediate_size=1536, first_dense_layers=0, dense_intermediate_size=12288,
+                    dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def deepseek_v3(cls, **overrides) -> "MoeConfig":
+        """Shape-only preset of DeepSeek-V3 (61 layers, 3 dense + 58 MoE, E=256, K=8, 8 groups pick 4,
+        1 shared expert, MLA). The hub checkpoint's YaRN RoPE scaling is not modelled."""
+        base = dict(vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128, num_kv_heads=128,
+                    head_dim=192, qk_norm=False, rope_theta=10_000.0, num_experts=256, top_k=8,
+                    moe_intermediate_size=2048, first_dense_layers=3, dense_intermediate_size=18432,
+                    router="sigmoid_bias_grouped", n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                    num_shared_experts=1, attention="mla", q_lora_rank=1536, kv_lora_rank=512,
+                    qk_rope_head_dim=64, v_head_dim=128, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def kimi_k2(cls, **overrides) -> "MoeConfig":
+        """Shape-only preset of Kimi-K2 (DeepSeek-V3 architecture: 61 layers, 1 dense + 60 MoE,
+        E=384 so routes are int16, K=8, no group limit, 1 shared expert, MLA with 64 heads)."""
+        base = dict(vocab_size=163840, num_heads=64, num_kv_heads=64, rope_theta=50_000.0, num_experts=384,
+                    first_dense_layers=1, n_group=1, topk_group=1, routed_scaling_factor=2.827)
+        return cls.deepseek_v3(**{**base, **overrides})
+
+    @classmethod
+    def glm4_5_air(cls, **overrides) -> "MoeConfig":
+        """Shape-only preset of GLM-4.5-Air (46 layers, 1 dense + 45 MoE, E=128, K=8, sigmoid router
+        with bias, 1 shared expert, q/k/v bias, RoPE on half of each head)."""
+        base = dict(vocab_size=151552, hidden_size=4096, num_layers=46, num_heads=96, num_kv_heads=8,
+                    head_dim=128, qk_norm=False, rope_theta=1_000_000.0, rms_norm_eps=1e-5,
+                    num_experts=128, top_k=8, moe_intermediate_size=1408, first_dense_layers=1,
+                    dense_intermediate_size=10944, router="sigmoid_bias_grouped", num_shared_experts=1,
+                    attention_bias=True, partial_rotary_factor=0.5, dtype=jnp.bfloat16,
+                    param_dtype=jnp.bfloat16)
+        return cls(**{**base, **overrides})
+
+    @classmethod
     def preset(cls, name: str, **overrides) -> "MoeConfig":
         presets = {"tiny": cls.tiny, "small_100m": cls.small_100m, "qwen3_30b_a3b": cls.qwen3_30b_a3b,
-                   "olmoe_1b_7b": cls.olmoe_1b_7b, "mixtral_8x7b": cls.mixtral_8x7b}
+                   "olmoe_1b_7b": cls.olmoe_1b_7b, "mixtral_8x7b": cls.mixtral_8x7b,
+                   "qwen3_235b_a22b": cls.qwen3_235b_a22b, "deepseek_v3": cls.deepseek_v3,
+                   "kimi_k2": cls.kimi_k2, "glm4_5_air": cls.glm4_5_air}
         if name not in presets:
             raise ValueError(f"preset={name!r}: expected one of {sorted(presets)}")
         return presets[name](**overrides)

@@ -26,8 +26,14 @@ class RMSNorm(nnx.Module):
         return self.scale[...].astype(x.dtype) * y.astype(x.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, half-split ("rotate_half") convention. x [B, T, H, Dh], positions [B, T]."""
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float, rotary_dim: int | None = None) -> jax.Array:
+    """Rotary embedding, half-split ("rotate_half") convention. x [B, T, H, Dh], positions [B, T].
+
+    rotary_dim (default Dh): rotate the first rotary_dim features only, pass the rest through
+    (GLM-4.5's ``partial_rotary_factor``)."""
+    if rotary_dim is not None and rotary_dim < x.shape[-1]:
+        rot = apply_rope(x[..., :rotary_dim], positions, theta)
+        return jnp.concatenate([rot, x[..., rotary_dim:]], axis=-1)
     half = x.shape[-1] // 2
     inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2.0 / x.shape[-1]))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
@@ -38,18 +44,26 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention with RoPE and optional per-head q/k RMSNorm (Qwen3)."""
+    """Grouped-query attention with RoPE and optional q/k RMSNorm: per head (Qwen3, GLM-4.5) or over
+    the whole projection (OLMoE, ``qk_norm_scope="full"``); optional q/k/v bias (GLM-4.5), partial
+    RoPE (GLM-4.5) and q/k/v clipping (OLMoE ``clip_qkv``)."""
 
     def __init__(self, cfg: MoeConfig, *, rngs: nnx.Rngs):
         d, hd, pd = cfg.hidden_size, cfg.head_dim, cfg.param_dtype
+        q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
         self.cfg = cfg
-        self.q_proj = nnx.Param(_init(rngs.params(), (d, cfg.num_heads * hd), pd))
-        self.k_proj = nnx.Param(_init(rngs.params(), (d, cfg.num_kv_heads * hd), pd))
-        self.v_proj = nnx.Param(_init(rngs.params(), (d, cfg.num_kv_heads * hd), pd))
-        self.o_proj = nnx.Param(_init(rngs.params(), (cfg.num_heads * hd, d), pd))
+        self.q_proj = nnx.Param(_init(rngs.params(), (d, q), pd))
+        self.k_proj = nnx.Param(_init(rngs.params(), (d, kv), pd))
+        self.v_proj = nnx.Param(_init(rngs.params(), (d, kv), pd))
+        self.o_proj = nnx.Param(_init(rngs.params(), (q, d), pd))
+        if cfg.attention_bias:
+            self.q_bias = nnx.Param(jnp.zeros((q,), pd))
+            self.k_bias = nnx.Param(jnp.zeros((kv,), pd))
+            self.v_bias = nnx.Param(jnp.zeros((kv,), pd))
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, pd)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, pd)
+            full = cfg.qk_norm_scope == "full"
+            self.q_norm = RMSNorm(q if full else hd, cfg.rms_norm_eps, pd)
+            self.k_norm = RMSNorm(kv if full else hd, cfg.rms_norm_eps, pd)
 
     def __call__(self, x, positions, segment_ids=None, kv=None):
         """x [B, T, D], positions [B, T] int32, segment_ids [B, T] int32 or None.
@@ -62,46 +76,70 @@ class Attention(nnx.Module):
         """
         cfg, dt = self.cfg, self.cfg.dtype
         b, t, _ = x.shape
-        q = (x @ self.q_proj[...].astype(dt)).reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = (x @ self.k_proj[...].astype(dt)).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = (x @ self.v_proj[...].astype(dt)).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
+        q, k, v = (x @ self.q_proj[...].astype(dt), x @ self.k_proj[...].astype(dt),
+                   x @ self.v_proj[...].astype(dt))
+        if cfg.attention_bias:
+            q, k, v = q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt), v + self.v_bias[...].astype(dt)
+        if cfg.qk_norm and cfg.qk_norm_scope == "full":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, cfg.rope_theta)
-        k = apply_rope(k, positions, cfg.rope_theta)
+        if cfg.clip_qkv is not None:
+            q, k, v = (jnp.clip(a, -cfg.clip_qkv, cfg.clip_qkv) for a in (q, k, v))
+        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm and cfg.qk_norm_scope == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        rotary = int(cfg.head_dim * cfg.partial_rotary_factor)
+        q = apply_rope(q, positions, cfg.rope_theta, rotary)
+        k = apply_rope(k, positions, cfg.rope_theta, rotary)
+        out, kv = attend(cfg, q, k, v, positions, segment_ids, kv)
+        return out.reshape(b, t, -1) @ self.o_proj[...].astype(dt), kv
 
-        if kv is None:
-            # Causal by index within the row, never by position value: right padding (positions 0)
-            # then sits after every real token and stays invisible to them (DESIGN.md §5).
-            keys, values = k, v
-            idx = jnp.arange(t)
-            mask = jnp.broadcast_to(idx[None, :] <= idx[:, None], (b, t, t))  # [B, T, S=T]
-            if segment_ids is not None:
-                mask &= segment_ids[:, None, :] == segment_ids[:, :, None]
-        else:
-            rows = jnp.arange(b)[:, None]
-            keys = kv[0].at[rows, positions].set(k.astype(kv[0].dtype))
-            values = kv[1].at[rows, positions].set(v.astype(kv[1].dtype))
-            kv = (keys, values)
-            keys, values = keys.astype(dt), values.astype(dt)
-            slots = jnp.arange(keys.shape[1])
-            mask = slots[None, None, :] <= positions[:, :, None]
 
-        groups = cfg.num_heads // cfg.num_kv_heads
-        q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
-        scores = jnp.einsum("btkgh,bskh->bkgts", q, keys).astype(jnp.float32)
-        scores = scores * (cfg.head_dim ** -0.5)
-        scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bkgts,bskh->btkgh", probs, values).reshape(b, t, -1)
-        return out @ self.o_proj[...].astype(dt), kv
 
+def attend(cfg: MoeConfig, q, k, v, positions, segment_ids=None, kv=None):
+    """Masked softmax attention over a functional cache (shared by GQA and MLA).
+
+    q [B, T, H, Dh]; k, v [B, T, Hkv, Dh] (after RoPE); positions [B, T]; segment_ids [B, T] or None;
+    kv None (full sequence) or the layer's cache ``(k [B, S, Hkv, Dh], v [B, S, Hkv, Dh])``.
+    Returns ``(out [B, T, H, Dh], new kv or None)``; scores are scaled by ``cfg.head_dim ** -0.5``.
+    """
+    dt = cfg.dtype
+    b, t = q.shape[:2]
+
+    if kv is None:
+        # Causal by index within the row, never by position value: right padding (positions 0)
+        # then sits after every real token and stays invisible to them (DESIGN.md §5).
+        keys, values = k, v
+        idx = jnp.arange(t)
+        mask = jnp.broadcast_to(idx[None, :] <= idx[:, None], (b, t, t))  # [B, T, S=T]
+        if segment_ids is not None:
+            mask &= segment_ids[:, None, :] == segment_ids[:, :, None]
+    else:
+        rows = jnp.arange(b)[:, None]
+        keys = kv[0].at[rows, positions].set(k.astype(kv[0].dtype))
+        values = kv[1].at[rows, positions].set(v.astype(kv[1].dtype))
+        kv = (keys, values)
+        keys, values = keys.astype(dt), values.astype(dt)
+        slots = jnp.arange(keys.shape[1])
+        mask = slots[None, None, :] <= positions[:, :, None]
+
+    groups = cfg.num_heads // cfg.num_kv_heads
+    q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, keys).astype(jnp.float32)
+    scores = scores * (cfg.head_dim ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, values).reshape(b, t, cfg.num_heads, -1)
+    return out, kv
 
 class DenseMLP(nnx.Module):
-    """SwiGLU feed-forward block used by the leading dense layers."""
+    """SwiGLU feed-forward block used by the leading dense layers (``dense_intermediate_size``) and
+    as the MoE layers' shared experts (``intermediate_size`` given)."""
 
-    def __init__(self, cfg: MoeConfig, *, rngs: nnx.Rngs):
-        d, i, pd = cfg.hidden_size, cfg.dense_intermediate_size, cfg.param_dtype
+    def __init__(self, cfg: MoeConfig, *, intermediate_size: int | None = None, rngs: nnx.Rngs):
+        d, pd = cfg.hidden_size, cfg.param_dtype
+        i = cfg.dense_intermediate_size if intermediate_size is None else intermediate_size
         self.dtype = cfg.dtype
         self.gate_proj = nnx.Param(_init(rngs.params(), (d, i), pd))
         self.up_proj = nnx.Param(_init(rngs.params(), (d, i), pd))

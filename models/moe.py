@@ -1,7 +1,8 @@
-"""The MoE feed-forward block: softmax router, top-k (live or replayed), and two expert kernels.
+"""The MoE feed-forward block: a router (models/routers.py), top-k (live or replayed), the expert
+kernels, and optional always-on shared experts.
 
 Replay forces the *choice* of experts only; the gate weights are always the live router
-probabilities gathered at the chosen experts, so gradients still reach the router.
+scores gathered at the chosen experts, so gradients still reach the router.
 """
 
 from __future__ import annotations
@@ -10,28 +11,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import routers
 from models.config import MoeConfig
+from models.layers import DenseMLP
 
 _init = nnx.initializers.normal(stddev=0.02)
-
-
-def select_experts(probs, top_k, norm_topk_prob, replay_ids=None, replay_mask=None):
-    """Choose experts and gate weights.
-
-    probs [N, E] float32 router softmax; replay_ids [N, K] int (any integer dtype) or None;
-    replay_mask [N] bool (True: use replay_ids). Returns ``(ids [N, K] int32, weights [N, K] f32,
-    live_ids [N, K] int32)``. Weights are gathered from ``probs`` at the chosen ids on both paths,
-    so replaying the live ids reproduces the live forward bit for bit.
-    """
-    _, live_ids = jax.lax.top_k(probs, top_k)
-    live_ids = live_ids.astype(jnp.int32)
-    ids = live_ids
-    if replay_ids is not None:
-        ids = jnp.where(replay_mask[:, None], replay_ids.astype(jnp.int32), live_ids)
-    weights = jnp.take_along_axis(probs, ids, axis=-1)
-    if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return ids, weights, live_ids
 
 
 def load_balancing_loss(probs, ids, token_mask):
@@ -139,7 +123,10 @@ def experts_ragged(x, ids, weights, gate, up, down):
 
 
 class MoeBlock(nnx.Module):
-    """Router + experts. Parameters: router [D, E], gate/up [E, D, I], down [E, I, D]."""
+    """Router + experts (+ shared experts). Parameters: router [D, E], gate/up [E, D, I],
+    down [E, I, D]; ``shared`` (a SwiGLU MLP of ``num_shared_experts * I``) when
+    ``num_shared_experts > 0``; ``router_bias`` [E] (:class:`models.routers.RouterBias`, not a
+    Param) for the ``sigmoid_bias_grouped`` router."""
 
     def __init__(self, cfg: MoeConfig, *, rngs: nnx.Rngs):
         d, e, i, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.param_dtype
@@ -148,25 +135,35 @@ class MoeBlock(nnx.Module):
         self.gate_proj = nnx.Param(_init(rngs.params(), (e, d, i), pd))
         self.up_proj = nnx.Param(_init(rngs.params(), (e, d, i), pd))
         self.down_proj = nnx.Param(_init(rngs.params(), (e, i, d), pd))
+        if cfg.router == "sigmoid_bias_grouped":
+            self.router_bias = routers.RouterBias(jnp.zeros((e,), jnp.float32))
+        if cfg.num_shared_experts:
+            self.shared = DenseMLP(cfg, intermediate_size=cfg.num_shared_experts * i, rngs=rngs)
 
     def __call__(self, x, replay_ids=None, replay_mask=None, token_mask=None):
         """x [B, T, D]; replay_ids [B, T, K] int or None; replay_mask, token_mask [B, T] bool.
 
-        Returns ``(y [B, T, D], ids [B, T, K] int32, live_ids [B, T, K] int32, aux_loss scalar)``.
+        Returns ``(y [B, T, D], ids [B, T, K] int32, live_ids [B, T, K] int32, aux_loss scalar,
+        load [E] f32)``: load counts the used experts over tokens where token_mask (and, under
+        replay, replay_mask) is True, for :func:`models.routers.update_bias`.
         """
         cfg, dt = self.cfg, self.cfg.dtype
         b, t, d = x.shape
         xf = x.reshape(b * t, d)
         logits = xf @ self.router[...].astype(dt)
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         flat = lambda a: None if a is None else a.reshape(b * t, *a.shape[2:])
-        ids, weights, live = select_experts(probs, cfg.top_k, cfg.norm_topk_prob,
-                                            flat(replay_ids), flat(replay_mask))
+        bias = self.router_bias[...] if cfg.router == "sigmoid_bias_grouped" else None
+        r = routers.route(logits, cfg, bias, flat(replay_ids), flat(replay_mask))
+        ids, weights, live = r.ids, r.gates, r.live_ids
         kernel = {"ragged": experts_ragged, "dense": experts_dense, "loop": experts_loop,
                   "gather": experts_gather}[cfg.moe_impl]
         y = kernel(xf, ids, weights.astype(dt), self.gate_proj[...].astype(dt),
                    self.up_proj[...].astype(dt), self.down_proj[...].astype(dt))
+        if cfg.num_shared_experts:
+            y = y + self.shared(xf)
         mask = jnp.ones((b * t,), bool) if token_mask is None else token_mask.reshape(b * t)
-        aux = load_balancing_loss(probs, ids, mask)
+        aux = load_balancing_loss(r.probs, ids, mask)
+        load_mask = mask if replay_mask is None else mask & flat(replay_mask)
+        load = routers.expert_load(ids, load_mask, cfg.num_experts)
         k = cfg.top_k
-        return y.reshape(b, t, d), ids.reshape(b, t, k), live.reshape(b, t, k), aux
+        return y.reshape(b, t, d), ids.reshape(b, t, k), live.reshape(b, t, k), aux, load

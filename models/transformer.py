@@ -1,4 +1,5 @@
-"""The decoder-only MoE transformer (Qwen3-MoE architecture) that exposes and replays its routes."""
+"""The decoder-only MoE transformer (Qwen3-MoE, OLMoE, Mixtral, GLM-4.5, DeepSeek-V3 families) that
+exposes and replays its routes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from flax import nnx, struct
 from models.cache import KVCache
 from models.config import MoeConfig
 from models.layers import Attention, DenseMLP, RMSNorm
+from models.mla import MLAttention
 from models.moe import MoeBlock
 from models.replay import Replay
 
@@ -18,20 +20,24 @@ _init = nnx.initializers.normal(stddev=0.02)
 @struct.dataclass
 class ModelOutput:
     """logits [B, T, V] f32; routes / live_routes [B, T, L, K] int32; aux_loss scalar f32
-    (load-balancing loss averaged over MoE layers); cache: the updated KVCache or None."""
+    (load-balancing loss averaged over MoE layers); cache: the updated KVCache or None;
+    expert_load [L, E] f32: per MoE layer, how many (token, slot) assignments each expert got over
+    tokens where token_mask (and, under replay, replay.mask) is True; the input of
+    :func:`models.routers.update_bias`."""
 
     logits: jax.Array
     routes: jax.Array
     live_routes: jax.Array
     aux_loss: jax.Array
     cache: KVCache | None = None
+    expert_load: jax.Array | None = None
 
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: MoeConfig, layer_id: int, *, rngs: nnx.Rngs):
         self.is_moe = layer_id >= cfg.first_dense_layers
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = MLAttention(cfg, rngs=rngs) if cfg.attention == "mla" else Attention(cfg, rngs=rngs)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
         self.mlp = MoeBlock(cfg, rngs=rngs) if self.is_moe else DenseMLP(cfg, rngs=rngs)
 
@@ -66,7 +72,7 @@ class MoeTransformer(nnx.Module):
                  *, segment_ids=None, token_mask=None) -> ModelOutput:
         cfg, dt = self.config, self.config.dtype
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
-        routes, live_routes, aux = [], [], []
+        routes, live_routes, aux, load = [], [], [], []
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
@@ -77,8 +83,8 @@ class MoeTransformer(nnx.Module):
                 m = len(routes)
                 r_ids = None if replay is None else replay.routes[:, :, m]
                 r_mask = None if replay is None else replay.mask
-                h, ids, live, a = layer.mlp(h, r_ids, r_mask, token_mask)
-                routes.append(ids), live_routes.append(live), aux.append(a)
+                h, ids, live, a, n = layer.mlp(h, r_ids, r_mask, token_mask)
+                routes.append(ids), live_routes.append(live), aux.append(a), load.append(n)
             else:
                 h = layer.mlp(h)
             x = x + h
@@ -91,4 +97,5 @@ class MoeTransformer(nnx.Module):
         stack = lambda xs: jnp.stack(xs, axis=2) if xs else jnp.zeros((b, t, 0, cfg.top_k), jnp.int32)
         aux_loss = jnp.mean(jnp.stack(aux)) if aux else jnp.zeros((), jnp.float32)
         new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v))
-        return ModelOutput(logits, stack(routes), stack(live_routes), aux_loss, new_cache)
+        expert_load = jnp.stack(load) if load else jnp.zeros((0, cfg.num_experts), jnp.float32)
+        return ModelOutput(logits, stack(routes), stack(live_routes), aux_loss, new_cache, expert_load)

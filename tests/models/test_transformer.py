@@ -249,3 +249,42 @@ def test_config_validation_and_presets():
     assert 90e6 < MoeConfig.small_100m().param_count() < 115e6
     with pytest.raises(ValueError, match="preset='nope'"):
         MoeConfig.preset("nope")
+
+
+def test_presets_of_the_new_families_have_their_published_sizes():
+    # total parameters (the MTP layers of DeepSeek-V3 / GLM are not part of the model)
+    for name, lo, hi in (("qwen3_235b_a22b", 234e9, 236e9), ("deepseek_v3", 670e9, 672e9),
+                         ("kimi_k2", 1.02e12, 1.04e12), ("glm4_5_air", 106e9, 107.5e9)):
+        assert lo < MoeConfig.preset(name).param_count() < hi, name
+    k2 = MoeConfig.kimi_k2()
+    assert (k2.num_experts, k2.top_k, k2.moe_layer_ids[0], k2.num_moe_layers) == (384, 8, 1, 60)
+    assert MoeConfig.deepseek_v3().moe_layer_ids[:2] == (3, 4)
+    with pytest.raises(ValueError, match=r"MoeConfig.router='topk': expected one of"):
+        MoeConfig.tiny(router="topk")
+    with pytest.raises(ValueError, match=r"MoeConfig.n_group=3: expected >= 1 and dividing num_experts=8"):
+        MoeConfig.tiny(router="sigmoid_bias_grouped", n_group=3)
+    with pytest.raises(ValueError, match=r"MoeConfig.topk_group=1: expected enough groups for top_k=4"):
+        MoeConfig.tiny(router="sigmoid_bias_grouped", n_group=4, topk_group=1, top_k=4)
+    with pytest.raises(ValueError, match=r"MoeConfig.num_kv_heads=2: expected num_heads=4 for attention='mla'"):
+        MoeConfig.tiny(attention="mla", kv_lora_rank=8, qk_rope_head_dim=4, v_head_dim=8)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(attention="mla", num_kv_heads=4, head_dim=12, qk_rope_head_dim=4, q_lora_rank=16, kv_lora_rank=8,
+         v_head_dim=6, qk_norm=False),  # DeepSeek-V3: v padded to head_dim in the cache
+    dict(attention_bias=True, partial_rotary_factor=0.5, qk_norm=False, router="sigmoid_bias_grouped",
+         num_shared_experts=1),  # GLM-4.5
+])
+def test_kv_cache_incremental_equals_full_forward_for_mla_and_partial_rope(variant):
+    cfg = MoeConfig.tiny(**variant)
+    model = MoeTransformer(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    step = jax.jit(lambda s, tok, pos, cache: nnx.merge(graphdef, s)(tok, pos, cache=cache))
+    tokens = jax.random.randint(jax.random.key(1), (B, 6), 0, cfg.vocab_size, dtype=jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (B, 6))
+    full = step(state, tokens, positions, None)  # full-sequence forward, no cache
+    first = step(state, tokens[:, :5], positions[:, :5], KVCache.init(cfg, B, 8))  # prefill
+    last = step(state, tokens[:, 5:], positions[:, 5:], first.cache)  # one decode step
+    logits = jnp.concatenate([first.logits, last.logits], axis=1)
+    np.testing.assert_allclose(logits, full.logits, atol=1e-5)
+    np.testing.assert_array_equal(jnp.concatenate([first.routes, last.routes], axis=1), full.routes)

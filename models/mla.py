@@ -1,0 +1,76 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2) over the same functional KV cache as GQA.
+
+Queries come from a low-rank path (``q_a_proj`` -> RMSNorm -> ``q_b_proj``, or one ``q_proj`` when
+``q_lora_rank == 0``); keys and values from a shared latent (``kv_a_proj_with_mqa`` -> RMSNorm ->
+``kv_b_proj``) plus one RoPE key shared by every head. Each head's query/key is
+``[nope (qk_nope_head_dim) | rope (qk_rope_head_dim)]``, ``head_dim`` in all.
+
+Cache form (chosen for simplicity and to keep the engine's ``KVCache`` [B, S, Hkv, Dh] layout): the
+cache holds every head's *expanded* key [B, S, H, head_dim] and its value zero-padded from
+``v_head_dim`` to ``head_dim``. That is correct and needs no engine change, but it stores
+``2 * H * head_dim`` numbers per token and layer instead of the latent's ``kv_lora_rank +
+qk_rope_head_dim`` (DeepSeek-V3: 49152 vs 576): a latent cache is the memory-saving follow-up.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import MoeConfig
+from models.layers import RMSNorm, apply_rope, attend
+
+_init = nnx.initializers.normal(stddev=0.02)
+_LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
+
+
+def rope_interleaved(x, positions, theta: float):
+    """DeepSeek's interleaved RoPE (pairs (x0, x1), (x2, x3), ... share a frequency) on x [B, T, H, R].
+
+    Returned de-interleaved (evens then odds), as transformers does; q and k get the same
+    permutation, so their dot products are unchanged.
+    """
+    return apply_rope(jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1), positions, theta)
+
+
+class MLAttention(nnx.Module):
+    """``attn(x, positions, segment_ids=None, kv=None) -> (y [B, T, D], new kv or None)`` (see
+    :func:`models.layers.attend` for masking and the cache)."""
+
+    def __init__(self, cfg: MoeConfig, *, rngs: nnx.Rngs):
+        d, h, hd, pd = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.param_dtype
+        self.cfg = cfg
+        if cfg.q_lora_rank:
+            self.q_a_proj = nnx.Param(_init(rngs.params(), (d, cfg.q_lora_rank), pd))
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, _LATENT_NORM_EPS, pd)
+            self.q_b_proj = nnx.Param(_init(rngs.params(), (cfg.q_lora_rank, h * hd), pd))
+        else:
+            self.q_proj = nnx.Param(_init(rngs.params(), (d, h * hd), pd))
+        self.kv_a_proj = nnx.Param(_init(rngs.params(), (d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), pd))
+        self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, _LATENT_NORM_EPS, pd)
+        self.kv_b_proj = nnx.Param(_init(rngs.params(), (cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim
+                                                                                 + cfg.v_head_dim)), pd))
+        self.o_proj = nnx.Param(_init(rngs.params(), (h * cfg.v_head_dim, d), pd))
+
+    def __call__(self, x, positions, segment_ids=None, kv=None):
+        """x [B, T, D]; positions [B, T]; kv: ``(k, v)`` each [B, S, H, head_dim] or None."""
+        cfg, dt = self.cfg, self.cfg.dtype
+        b, t, _ = x.shape
+        h, nope, rope, vd = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        w = lambda p: p[...].astype(dt)
+        if cfg.q_lora_rank:
+            q = self.q_a_norm(x @ w(self.q_a_proj)) @ w(self.q_b_proj)
+        else:
+            q = x @ w(self.q_proj)
+        q = q.reshape(b, t, h, cfg.head_dim)
+        latent = x @ w(self.kv_a_proj)  # [B, T, kv_lora_rank + rope]
+        kv_nope = self.kv_a_norm(latent[..., :cfg.kv_lora_rank])
+        k_rot = latent[..., cfg.kv_lora_rank:][:, :, None, :]  # [B, T, 1, rope]: shared by the heads
+        rot = rope_interleaved if cfg.rope_interleave else apply_rope
+        q_rot, k_rot = rot(q[..., nope:], positions, cfg.rope_theta), rot(k_rot, positions, cfg.rope_theta)
+        q = jnp.concatenate([q[..., :nope], q_rot], axis=-1)
+        kvb = (kv_nope @ w(self.kv_b_proj)).reshape(b, t, h, nope + vd)
+        k = jnp.concatenate([kvb[..., :nope], jnp.broadcast_to(k_rot, (b, t, h, rope))], axis=-1)
+        v = jnp.pad(kvb[..., nope:], ((0, 0), (0, 0), (0, 0), (0, cfg.head_dim - vd)))
+        out, kv = attend(cfg, q, k, v, positions, segment_ids, kv)  # [B, T, H, head_dim]
+        return out[..., :vd].reshape(b, t, h * vd) @ w(self.o_proj), kv
