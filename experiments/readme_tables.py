@@ -24,6 +24,15 @@ def _load(name):
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _pm(value):
+    """``[mean, ci95]`` pairs (multi-seed summaries) as "m ± h"; seed lists as their count."""
+    if isinstance(value, list) and len(value) == 2 and all(isinstance(v, float) for v in value):
+        return f"{value[0]:.3g} ± {value[1]:.2g}"
+    if isinstance(value, list):
+        return len(value)
+    return value
+
+
 def _t(rows, cols):
     return table(rows, cols) if rows else "(not run yet)"
 
@@ -78,9 +87,13 @@ def tables() -> dict[str, str]:
                                         "ratio_of_min", "xla_flops_ratio", "xla_bytes_ratio", "reps"]))
     d = _load("demo_summary")
     if d:
-        out["DEMO_RESULTS"] = _t(d["runs"], ["run", "steps", "reward_first", "reward_last", "k3_kl",
-                                             "mean_abs_delta", "routing_disagreement", "token_any_disagreement",
-                                             "route_MiB"])
+        cols = ["run", "seeds", "steps", "reward_first", "reward_last", "collapses", "k3_kl", "mean_abs_delta",
+                "live_routing_disagreement", "routing_disagreement"]
+        rows = [{c: _pm(r.get(c)) for c in cols} for r in d["runs"]]
+        effect = d.get("replay_effect")
+        out["DEMO_RESULTS"] = _t(rows, cols) + ("" if not effect else (
+            f"\n\nReplay − no replay, {effect['metric']}, paired over seeds {effect['seeds']}: "
+            f"{effect['replay_minus_none']:+.3g} ± {effect['ci95']:.2g} (95% CI): {effect['verdict']}."))
     return out
 
 
