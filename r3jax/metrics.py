@@ -99,6 +99,15 @@ def fallback_fraction(route_mask, loss_mask) -> jax.Array:
     return masked_mean(missing, pred)
 
 
+def target_entropy(logits, loss_mask) -> jax.Array:
+    """Mean entropy (nats) of the policy's next-token distribution at the targets: the logits at
+    i - 1 for every i with ``loss_mask[i] > 0``. logits [B, S, V], loss_mask [B, S] -> scalar."""
+    lg = jnp.asarray(logits, jnp.float32)
+    logp = jax.nn.log_softmax(lg, axis=-1)
+    ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)  # [B, S]: entropy of the prediction made at i
+    return masked_mean(ent, predicting_mask(loss_mask))
+
+
 def mismatch_metrics(*, train_logprobs, rollout_logprobs, loss_mask, live_routes, rollout_routes,
                      route_mask, used_routes=None) -> dict[str, jax.Array]:
     """All §6 metrics in one dict.
