@@ -50,8 +50,6 @@ from r3jax.train import LossConfig, group_advantages, init_train_state, ppo_upda
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = {"none": "none", "R2": "trainer", "R3": "rollout"}
 PRECISIONS = ("bf16", "int8")
-CONFIG = MoeConfig.tiny(num_experts=64, top_k=2, num_layers=4, first_dense_layers=0, moe_intermediate_size=32)
-EXPERT_SCALE = 4.0
 
 
 def parse_args(argv=None):
@@ -66,6 +64,11 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup-steps", type=int, default=30)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--moe-layers", type=int, default=4)
+    ap.add_argument("--expert-scale", type=float, default=4.0, help="scales every expert's output")
+    ap.add_argument("--quantize-router", action="store_true", help="int8 rollouts quantize the router too")
     ap.add_argument("--out", default="runs/replay_rl", help="warm-start cache directory")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -76,25 +79,31 @@ def parse_args(argv=None):
     return args
 
 
-def build_model():
-    model = MoeTransformer(CONFIG, rngs=nnx.Rngs(0))
+def model_config(args) -> MoeConfig:
+    return MoeConfig.tiny(num_experts=args.experts, top_k=args.top_k, num_layers=args.moe_layers,
+                          first_dense_layers=0, moe_intermediate_size=32)
+
+
+def build_model(args):
+    model = MoeTransformer(model_config(args), rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
     scaled = jax.tree_util.tree_map_with_path(
-        lambda p, x: x * EXPERT_SCALE if "down_proj" in jax.tree_util.keystr(p) else x, params)
+        lambda p, x: x * args.expert_scale if "down_proj" in jax.tree_util.keystr(p) else x, params)
     nnx.update(model, scaled)
     return model
 
 
-def _sync(engine, state, precision):
+def _sync(engine, state, precision, quantize_router):
     params = params_of(state)
-    return push_to_engine(engine, quantize_int8(params) if precision == "int8" else params)
+    return push_to_engine(engine, quantize_int8(params, quantize_router=quantize_router)
+                          if precision == "int8" else params)
 
 
 def run_one(args, engine, warm, mesh, mode, precision, seed, bar) -> list[dict]:
     loop_args = types.SimpleNamespace(**{**vars(args), "seed": seed})
     state = init_train_state(warm, adam(args.lr), mesh=mesh, seed=seed)  # one optimizer: one compilation
-    _sync(engine, state, precision)
-    cfg = CONFIG
+    _sync(engine, state, precision, args.quantize_router)
+    cfg = model_config(args)
     records = []
     for step in range(args.steps):
         with make_loop(loop_args, engine, step) as loop:
@@ -117,7 +126,7 @@ def run_one(args, engine, warm, mesh, mode, precision, seed, bar) -> list[dict]:
                "grad_norm": float(np.mean([h["grad_norm"] for h in hist])),
                "entropy": float(first["entropy"])}
         records.append(rec)
-        _sync(engine, state, precision)
+        _sync(engine, state, precision, args.quantize_router)
         bar.update(1)
         bar.set_postfix(arm=f"{mode}/{precision}", seed=seed, reward=f"{rec['reward']:.2f}",
                         k3=f"{rec['k3_kl']:.1e}")
@@ -202,14 +211,16 @@ def main(argv=None) -> dict:
 
     t0 = time.time()
     mesh = make_mesh(data=-1)
-    model = build_model()
+    model = build_model(args)
+    cfg = model_config(args)
     engine = Engine(model, max_seq_len=args.max_seq_len, max_batch_size=args.prompts * args.samples,
                     dtype=jnp.bfloat16)
-    out = Path(args.out) / f"warm{args.warmup_steps}"  # the warm start is shared by --quick and full runs
+    # the warm start is shared by --quick and full runs of one model
+    out = Path(args.out) / f"E{args.experts}k{args.top_k}L{args.moe_layers}x{args.expert_scale:g}w{args.warmup_steps}"
     out.mkdir(parents=True, exist_ok=True)
     warm, acc = warm_start(args, model, mesh, engine, out)
-    print(f"replay_rl: E={CONFIG.num_experts} K={CONFIG.top_k} MoE layers {CONFIG.moe_layer_ids}, "
-          f"{CONFIG.param_count():,} params; warm start {args.warmup_steps} SFT steps"
+    print(f"replay_rl: E={cfg.num_experts} K={cfg.top_k} MoE layers {cfg.moe_layer_ids}, "
+          f"{cfg.param_count():,} params; warm start {args.warmup_steps} SFT steps"
           + (f" (token accuracy {acc:.2f})" if acc is not None else " (cached)"), flush=True)
     runs: dict = {}
     total = len(MODES) * len(PRECISIONS) * args.seeds * args.steps
@@ -225,9 +236,9 @@ def main(argv=None) -> dict:
     RESULTS.mkdir(exist_ok=True)
     result = {"command": "python -m experiments.replay_rl" + (" --quick" if args.quick else ""),
               "settings": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))},
-              "model": {"num_experts": CONFIG.num_experts, "top_k": CONFIG.top_k,
-                        "moe_layer_ids": list(CONFIG.moe_layer_ids), "expert_scale": EXPERT_SCALE,
-                        "params": CONFIG.param_count()},
+              "model": {"num_experts": cfg.num_experts, "top_k": cfg.top_k,
+                        "moe_layer_ids": list(cfg.moe_layer_ids), "expert_scale": args.expert_scale,
+                        "params": cfg.param_count()},
               "wall_s": time.time() - t0, "arms": arms,
               "runs": {arm: {str(s): rs for s, rs in per.items()} for arm, per in runs.items()}}
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
