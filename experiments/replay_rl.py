@@ -160,6 +160,29 @@ def summarize(runs: dict, steps: int) -> dict:
     return arms
 
 
+def comparisons(runs: dict, steps: int) -> list[dict]:
+    """Paired (same seed) differences of the final reward, R2 − none and R3 − none, per precision,
+    with a plain verdict: only a 95% CI that excludes 0 counts as a measured difference."""
+    tail = max(1, steps // 4)
+    final = lambda rs: float(np.mean([r["reward"] for r in rs[-tail:]]))
+    out = []
+    for prec in PRECISIONS:
+        base = runs.get(f"none/{prec}", {})
+        for mode in ("R2", "R3"):
+            arm = runs.get(f"{mode}/{prec}", {})
+            seeds = sorted(set(base) & set(arm))
+            if not seeds:
+                continue
+            d = [final(arm[s]) - final(base[s]) for s in seeds]
+            m, h = mm.mean_ci95(d)
+            verdict = ("one seed: no conclusion" if np.isnan(h) else
+                       f"{mode} higher" if m - h > 0 else f"{mode} lower" if m + h < 0 else
+                       "no measurable difference (CI includes 0)")
+            out.append({"precision": prec, "comparison": f"{mode} - none", "final_reward_diff": m,
+                        "ci95": h, "seeds": len(seeds), "verdict": verdict})
+    return out
+
+
 def plot(runs: dict, path: Path) -> None:
     import matplotlib
 
@@ -204,6 +227,30 @@ def table(arms: dict) -> str:
     return "\n".join(lines)
 
 
+def write_results(args, cfg, runs, t0, *, seeds_done: int, quiet: bool) -> dict:
+    arms = summarize(runs, args.steps)
+    diffs = comparisons(runs, args.steps)
+    name = "replay_rl_quick" if args.quick else "replay_rl"
+    RESULTS.mkdir(exist_ok=True)
+    result = {"command": "python -m experiments.replay_rl" + (" --quick" if args.quick else ""),
+              "complete": seeds_done == args.seeds, "seeds_done": seeds_done,
+              "settings": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))},
+              "model": {"num_experts": cfg.num_experts, "top_k": cfg.top_k,
+                        "moe_layer_ids": list(cfg.moe_layer_ids), "expert_scale": args.expert_scale,
+                        "params": cfg.param_count()},
+              "wall_s": time.time() - t0, "arms": arms, "comparisons": diffs,
+              "runs": {arm: {str(s): rs for s, rs in per.items()} for arm, per in runs.items()}}
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
+    plot(runs, RESULTS / f"{name}.png")
+    if not quiet:
+        print(table(arms))
+        for c in diffs:
+            print(f"{c['precision']}: {c['comparison']} final reward {c['final_reward_diff']:+.4f} ± {c['ci95']:.4f} "
+                  f"(95% CI, {c['seeds']} paired seeds): {c['verdict']}")
+        print(f"wrote {RESULTS / name}.json, .png ({time.time() - t0:.0f} s)")
+    return result
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from r3jax.engine import Engine
@@ -230,20 +277,8 @@ def main(argv=None) -> dict:
                 for mode in MODES:
                     runs.setdefault(f"{mode}/{prec}", {})[seed] = run_one(
                         args, engine, warm, mesh, mode, prec, seed, bar)
-    arms = summarize(runs, args.steps)
-    print(table(arms))
-    name = "replay_rl_quick" if args.quick else "replay_rl"
-    RESULTS.mkdir(exist_ok=True)
-    result = {"command": "python -m experiments.replay_rl" + (" --quick" if args.quick else ""),
-              "settings": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))},
-              "model": {"num_experts": cfg.num_experts, "top_k": cfg.top_k,
-                        "moe_layer_ids": list(cfg.moe_layer_ids), "expert_scale": args.expert_scale,
-                        "params": cfg.param_count()},
-              "wall_s": time.time() - t0, "arms": arms,
-              "runs": {arm: {str(s): rs for s, rs in per.items()} for arm, per in runs.items()}}
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
-    plot(runs, RESULTS / f"{name}.png")
-    print(f"wrote {RESULTS / name}.json, .png ({time.time() - t0:.0f} s)")
+            # results after every seed, so an interrupted run leaves its completed seeds on disk
+            result = write_results(args, cfg, runs, t0, seeds_done=seed + 1, quiet=seed + 1 < args.seeds)
     return result
 
 
