@@ -99,6 +99,15 @@ def fallback_fraction(route_mask, loss_mask) -> jax.Array:
     return masked_mean(missing, pred)
 
 
+def target_entropy(logits, loss_mask) -> jax.Array:
+    """Mean entropy (nats) of the policy's next-token distribution at the targets: the logits at
+    i - 1 for every i with ``loss_mask[i] > 0``. logits [B, S, V], loss_mask [B, S] -> scalar."""
+    lg = jnp.asarray(logits, jnp.float32)
+    logp = jax.nn.log_softmax(lg, axis=-1)
+    ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)  # [B, S]: entropy of the prediction made at i
+    return masked_mean(ent, predicting_mask(loss_mask))
+
+
 def mismatch_metrics(*, train_logprobs, rollout_logprobs, loss_mask, live_routes, rollout_routes,
                      route_mask, used_routes=None) -> dict[str, jax.Array]:
     """All §6 metrics in one dict.
@@ -119,3 +128,45 @@ def mismatch_metrics(*, train_logprobs, rollout_logprobs, loss_mask, live_routes
     out.update({"live_" + k: v for k, v in live.items()})
     out["fallback_fraction"] = fallback_fraction(route_mask, loss_mask)
     return out
+
+
+# ---- run-level statistics (host side, numpy): seeds, confidence intervals, collapse -------------
+
+# two-sided 95% Student t quantiles t_{0.975, df} for df = 1..30 (beyond: the normal 1.96)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+         2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+         2.052, 2.048, 2.045, 2.042)
+
+
+def mean_ci95(values) -> tuple[float, float]:
+    """``(mean, half-width)`` of the two-sided 95% Student-t confidence interval of the mean of
+    ``values`` [n] (one per seed). n = 1 gives half-width nan (no spread to estimate)."""
+    import numpy as np
+
+    x = np.asarray(values, np.float64).reshape(-1)
+    if x.size == 0:
+        raise ValueError("values=[]: expected at least one value")
+    if x.size == 1:
+        return float(x[0]), float("nan")
+    t = _T975[x.size - 2] if x.size - 1 <= len(_T975) else 1.96
+    return float(x.mean()), float(t * x.std(ddof=1) / np.sqrt(x.size))
+
+
+def collapse_step(rewards, *, fraction: float = 0.5, patience: int = 5) -> int | None:
+    """First index t at which a reward curve [T] collapses, or None: ``rewards[t .. t + patience - 1]``
+    all lie below ``fraction`` x the peak reached up to t (a positive peak), i.e. the reward falls
+    below half its peak and stays there for at least ``patience`` steps. A dip shorter than
+    ``patience`` or a fall at the very end (fewer than ``patience`` steps left) is not a collapse."""
+    import numpy as np
+
+    r = np.asarray(rewards, np.float64).reshape(-1)
+    if patience < 1:
+        raise ValueError(f"patience={patience}: expected >= 1")
+    peak = np.maximum.accumulate(r) if r.size else r
+    below = (r < fraction * peak) & (peak > 0)
+    run = 0
+    for t in range(r.size):
+        run = run + 1 if below[t] else 0
+        if run >= patience:
+            return t - patience + 1
+    return None

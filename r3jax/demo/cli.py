@@ -1,7 +1,7 @@
 """``python -m r3jax demo``: flags, the top-level flow, and the errors a user sees.
 
     python -m r3jax demo [--replay both|rollout|none] [--in-process] [--resume]
-        [--config tiny|PRESET|HF_DIR] [--steps N] [--seed S] [--out runs/demo]
+        [--config tiny|PRESET|HF_DIR] [--steps N] [--seed S] [--seeds N] [--out runs/demo]
 
 Starts the inference server as a subprocess on a free loopback port (``--in-process`` uses the
 in-process engine instead), warms the policy up on a few oracle demonstrations, then for each step:
@@ -10,9 +10,11 @@ multi-turn rollouts through the ``RemoteInferenceClient`` (each turn sends
 ``shard_batch``, a jitted ``train_step`` that replays the rollout's routes (or routes live with
 ``--replay none``), weight sync to the server, and orbax checkpoints. Rollouts run in bf16
 (``--rollout-dtype``) and the trainer in fp32: the mismatch that replay removes.
-``--replay both`` runs the replay run and the baseline from the same warm start and plots them
-side by side. Outputs under ``--out``: ``<mode>/metrics.jsonl``, ``<mode>/ckpt/``, ``demo.png``,
-``summary.json``.
+``--replay both`` runs the replay run and the baseline from the same warm start; each mode runs
+``--seeds`` seeds (S, S+1, ...: sampling and trainer seeds; the model and warm start come from S),
+and the report shows the mean over seeds with a 95% CI band and the paired difference
+replay − no replay with its CI. Outputs under ``--out``: ``<mode>/seed<s>/metrics.jsonl``,
+``<mode>/seed<s>/ckpt/``, ``demo.png``, ``summary.json``.
 
 A checkpoint that does not match the run (``--resume`` after changing the model or optimizer) and a
 checkpoint write that fails both stop the demo with exit status 1 and the error on stderr.
@@ -34,7 +36,8 @@ def parse_args(argv):
     ap.add_argument("--replay", default="both", choices=["both", "rollout", "none"])
     ap.add_argument("--in-process", action="store_true", help="in-process engine instead of the server")
     ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    ap.add_argument("--steps", type=int, default=40, help="RL steps per run")
+    ap.add_argument("--steps", type=int, default=20, help="RL steps per run")
+    ap.add_argument("--seeds", type=int, default=3, help="runs per mode (seeds S, S+1, ...)")
     ap.add_argument("--prompts", type=int, default=16, help="environments per step")
     ap.add_argument("--samples", type=int, default=4, help="samples per environment (GRPO group)")
     ap.add_argument("--max-turns", type=int, default=3)
@@ -50,7 +53,7 @@ def parse_args(argv):
     ap.add_argument("--out", default="runs/demo")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    for name in ("steps", "prompts", "samples", "max_turns", "max_tokens", "save_every", "warmup_batch"):
+    for name in ("steps", "seeds", "prompts", "samples", "max_turns", "max_tokens", "save_every", "warmup_batch"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= 1")
     if args.warmup_steps < 0:
@@ -94,7 +97,10 @@ def _main(args) -> dict:
         model, acc = warm_start(args, model, mesh, rollouts.generator, out)
         if acc is not None:
             print(f"warm-up: {args.warmup_steps} supervised steps, token accuracy {acc:.2f}", flush=True)
-        for mode in modes:
-            run(args, mode, model, mesh, rollouts, out / mode)
+        seeds = [args.seed + i for i in range(args.seeds)]
+        for seed in seeds:  # seeds outermost: an interrupted demo still has both modes
+            for mode in modes:
+                run(argparse.Namespace(**{**vars(args), "seed": seed}), mode, model, mesh, rollouts,
+                    out / mode / f"seed{seed}")
         transfer = transfer_per_turn(args, rollouts)
-    return report(modes, transfer, out)
+    return report(modes, seeds, transfer, out)

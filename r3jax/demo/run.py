@@ -11,6 +11,7 @@ checkpoint write raises (CheckpointWriteError) at the next step.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -34,6 +35,13 @@ from r3jax.train.sft import sft_step
 # Settings stored with every checkpoint; resuming under other values is allowed and reported.
 HPARAMS = ("config", "env", "lr", "temperature", "prompts", "samples", "max_turns", "max_tokens",
            "max_seq_len", "rollout_dtype", "seed", "warmup_steps", "warmup_batch")
+
+
+@functools.lru_cache(maxsize=None)
+def adam(lr: float) -> optax.GradientTransformation:
+    """One optimizer object per learning rate: the compiled train step is cached per optimizer
+    (part of the state's tree structure), so every seed of a demo reuses one compilation."""
+    return optax.adam(lr)
 
 
 def build_model(args):
@@ -95,16 +103,16 @@ def _start(args, mode: str, ckpt, state, out: Path):
             state, cursor = restored
             start = int(cursor["step"])
             changes = ", ".join(f"--{k.replace('_', '-')} {a!r} -> {b!r}" for k, (a, b) in ckpt.config_changes.items())
-            print(f"replay={mode}: resuming from the step-{start} checkpoint in {ckpt.directory}"
+            print(f"replay={mode} seed={args.seed}: resuming from the step-{start} checkpoint in {ckpt.directory}"
                   + (f" with changed settings: {changes}" if changes else ""), flush=True)
             # steps logged after the checkpoint are re-run: keep only what the checkpoint contains
             _rewrite(log_path, [x for x in _read_lines(log_path) if json.loads(x)["step"] <= start])
             return state, start
-        print(f"replay={mode}: --resume found no checkpoint in {ckpt.directory}; starting fresh at step 0",
+        print(f"replay={mode} seed={args.seed}: --resume found no checkpoint in {ckpt.directory}; starting fresh at step 0",
               flush=True)
     old = _keep_aside(log_path)
     if old is not None:
-        print(f"replay={mode}: starting fresh; the previous log is kept as {old}", flush=True)
+        print(f"replay={mode} seed={args.seed}: starting fresh; the previous log is kept as {old}", flush=True)
     return state, 0
 
 
@@ -125,7 +133,7 @@ def _step(args, mode: str, step: int, state, mesh, rollouts: Rollouts, ckpt: Che
     metrics = jax.device_get(metrics)
     version = rollouts.sync(state)
     ckpt.save(state, data_cursor={"step": step + 1})  # raises if this or an earlier save failed
-    rec = {"step": step + 1, "replay": mode, "reward": float(rewards.mean()),
+    rec = {"step": step + 1, "replay": mode, "seed": args.seed, "reward": float(rewards.mean()),
            "route_bytes": int(sum(t.route_bytes for t in trajs)),
            "route_rows": int(sum(t.route_rows for t in trajs)),
            "tokens": int(sum(t.num_tokens for t in trajs)), "weight_version": version,
@@ -137,11 +145,11 @@ def _step(args, mode: str, step: int, state, mesh, rollouts: Rollouts, ckpt: Che
 def run(args, mode: str, warm_model, mesh, rollouts: Rollouts, out: Path) -> list[dict]:
     """RL steps with ``replay=mode``; appends to ``out/metrics.jsonl``; returns this run's records."""
     out.mkdir(parents=True, exist_ok=True)
-    state = init_train_state(warm_model, optax.adam(args.lr), mesh=mesh, seed=args.seed)
+    state = init_train_state(warm_model, adam(args.lr), mesh=mesh, seed=args.seed)
     if not args.resume:  # a fresh run never mixes its steps with an earlier run's checkpoints
         old = _keep_aside(out / "ckpt")
         if old is not None:
-            print(f"replay={mode}: starting fresh; the previous checkpoints are kept in {old}", flush=True)
+            print(f"replay={mode} seed={args.seed}: starting fresh; the previous checkpoints are kept in {old}", flush=True)
     ckpt = Checkpointer(out / "ckpt", save_every=args.save_every, keep=2,
                         config={k: getattr(args, k) for k in HPARAMS})
     records = []
@@ -149,7 +157,7 @@ def run(args, mode: str, warm_model, mesh, rollouts: Rollouts, out: Path) -> lis
         state, start = _start(args, mode, ckpt, state, out)
         with open(out / "metrics.jsonl", "a") as log:
             rollouts.sync(state)
-            bar = tqdm(range(start, args.steps), desc=f"replay={mode}", disable=args.no_progress,
+            bar = tqdm(range(start, args.steps), desc=f"replay={mode} seed={args.seed}", disable=args.no_progress,
                        initial=start, total=args.steps)
             for step in bar:
                 rec, state = _step(args, mode, step, state, mesh, rollouts, ckpt)

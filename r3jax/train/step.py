@@ -1,8 +1,11 @@
 """The jitted, sharded policy-gradient step with routed-expert replay, and a forward-only eval step.
 
-``train_step(state, batch, replay="rollout")`` replays ``batch.routes`` where ``batch.route_mask``
-is True; ``replay="none"`` routes every token live. Both modes report the same mismatch metrics
-(r3jax.metrics), so a run without replay shows what replay would remove.
+``train_step(state, batch, replay="rollout")`` (R3) replays ``batch.routes`` where ``batch.route_mask``
+is True; ``replay="trainer"`` (R2) replays the routes of the trainer's own forward on the pre-update
+policy (``trainer_routes=record_trainer_routes(state, batch)``, recorded once per rollout batch and
+passed unchanged to every later minibatch update); ``replay="none"`` routes every token live. All
+modes report the same mismatch metrics (r3jax.metrics) against the rollout's routes, so a run
+without replay shows what replay would remove.
 
 Batch contract (r3jax.batch.Batch; any pytree with these attributes works), every field indexed by
 absolute token i of a row: tokens, positions, segment_ids [B, S] int32 (segment 0 = padding);
@@ -28,24 +31,28 @@ from r3jax.train import partition
 from r3jax.train.loss import LossConfig, policy_loss, token_logprobs
 from r3jax.train.state import TrainState, state_shardings
 
-REPLAY_MODES = ("rollout", "none")
+REPLAY_MODES = ("rollout", "trainer", "none")
 BATCH_FIELDS = ("tokens", "positions", "segment_ids", "attention_mask", "loss_mask", "advantages",
                 "rollout_logprobs", "routes", "route_mask")
 
 
-def forward_metrics(params, state: TrainState, batch, replay: str, config: LossConfig, ref_logprobs=None):
+def forward_metrics(params, state: TrainState, batch, replay: str, config: LossConfig, ref_logprobs=None,
+                    trainer_routes=None):
     """Loss and metrics of one forward pass (pure; differentiable in ``params``).
 
     Returns ``(loss, metrics)``. Replay mode "rollout" forces ``batch.routes`` where
     ``batch.route_mask``; the aux loss is taken over real, captured tokens (segment_ids > 0 and
-    route_mask), since uncaptured rows stay out of router statistics (DESIGN §4). Mode "none"
-    routes live everywhere and takes the aux loss over all real tokens.
+    route_mask), since uncaptured rows stay out of router statistics (DESIGN §4). Mode "trainer"
+    forces ``trainer_routes [B, S, L, K]`` on every real token (the trainer recorded them all).
+    Mode "none" routes live everywhere. Both take the aux loss over all real tokens.
     """
     model = nnx.merge(state.graphdef, params, state.rest)
     real = batch.segment_ids > 0
     captured = batch.route_mask.astype(bool)
     if replay == "rollout":
         rp, token_mask = Replay(batch.routes, captured), real & captured
+    elif replay == "trainer":
+        rp, token_mask = Replay(trainer_routes, real), real
     else:
         rp, token_mask = None, real
     out = model(batch.tokens, batch.positions, replay=rp, segment_ids=batch.segment_ids,
@@ -61,14 +68,15 @@ def forward_metrics(params, state: TrainState, batch, replay: str, config: LossC
                                   live_routes=out.live_routes, rollout_routes=batch.routes,
                                   route_mask=captured, used_routes=out.routes)
     metrics.update(stats)
+    metrics["entropy"] = mm.target_entropy(jax.lax.stop_gradient(out.logits), batch.loss_mask)
     metrics.update(loss=loss, aux_loss=out.aux_loss,
                    num_targets=jnp.sum((batch.loss_mask > 0).astype(jnp.float32)))
     return loss, metrics
 
 
-def _train_impl(state: TrainState, batch, ref_logprobs, *, replay: str, config: LossConfig):
+def _train_impl(state: TrainState, batch, ref_logprobs, trainer_routes, *, replay: str, config: LossConfig):
     grad_fn = jax.value_and_grad(forward_metrics, has_aux=True)
-    (_, metrics), grads = grad_fn(state.params, state, batch, replay, config, ref_logprobs)
+    (_, metrics), grads = grad_fn(state.params, state, batch, replay, config, ref_logprobs, trainer_routes)
     updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics["grad_norm"] = optax.tree.norm(grads)
@@ -77,8 +85,15 @@ def _train_impl(state: TrainState, batch, ref_logprobs, *, replay: str, config: 
     return new, metrics
 
 
-def _eval_impl(state: TrainState, batch, ref_logprobs, *, replay: str, config: LossConfig):
-    return forward_metrics(state.params, state, batch, replay, config, ref_logprobs)[1]
+def _eval_impl(state: TrainState, batch, ref_logprobs, trainer_routes, *, replay: str, config: LossConfig):
+    return forward_metrics(state.params, state, batch, replay, config, ref_logprobs, trainer_routes)[1]
+
+
+def _record_impl(state: TrainState, batch):
+    model = nnx.merge(state.graphdef, state.params, state.rest)
+    out = model(batch.tokens, batch.positions, segment_ids=batch.segment_ids,
+                token_mask=batch.segment_ids > 0)
+    return out.live_routes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,12 +110,19 @@ _CACHE: dict = {}
 def _compile(kind: str, state: TrainState, mesh, replay: str, config: LossConfig, with_ref: bool) -> _Compiled:
     state_sh = state_shardings(state, mesh)
     bsh, rep = partition.batch_sharding(mesh), partition.replicated(mesh)
+    if kind == "record":
+        jitted = jax.jit(_record_impl, in_shardings=(state_sh, bsh), out_shardings=bsh)
+        return _Compiled(jitted, mesh, bsh, getattr(state.model(), "config", None))
     impl = _train_impl if kind == "train" else _eval_impl
     body = functools.partial(impl, replay=replay, config=config)
-    if with_ref:
-        fn, in_sh = body, (state_sh, bsh, bsh)
-    else:
-        fn, in_sh = (lambda s, b: body(s, b, None)), (state_sh, bsh)
+    with_tr = replay == "trainer"
+    # positional extras after (state, batch): [ref_logprobs] [trainer_routes]
+    def fn(s, b, *extra):
+        extra = list(extra)
+        ref = extra.pop(0) if with_ref else None
+        tr = extra.pop(0) if with_tr else None
+        return body(s, b, ref, tr)
+    in_sh = (state_sh, bsh) + ((bsh,) if with_ref else ()) + ((bsh,) if with_tr else ())
     if kind == "train":
         jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=(state_sh, rep), donate_argnums=0)
     else:
@@ -109,7 +131,7 @@ def _compile(kind: str, state: TrainState, mesh, replay: str, config: LossConfig
 
 
 def _lookup(kind: str, state: TrainState, replay: str, config: LossConfig, with_ref: bool) -> _Compiled:
-    if replay not in REPLAY_MODES:
+    if kind != "record" and replay not in REPLAY_MODES:
         raise ValueError(f"replay={replay!r}: expected one of {REPLAY_MODES}")
     if not isinstance(config, LossConfig):
         raise ValueError(f"config={config!r}: expected a LossConfig")
@@ -127,7 +149,8 @@ def _lookup(kind: str, state: TrainState, replay: str, config: LossConfig, with_
 
 def make_train_step(state: TrainState, *, replay: str = "rollout", config: LossConfig = LossConfig(),
                     with_ref: bool = False) -> Callable:
-    """The raw jitted step for hot loops: ``fn(state, batch[, ref_logprobs]) -> (state, metrics)``.
+    """The raw jitted step for hot loops: ``fn(state, batch[, ref_logprobs][, trainer_routes])
+    -> (state, metrics)`` (trainer_routes exactly when ``replay="trainer"``).
 
     Explicit in/out shardings from ``state``'s mesh (params per partition specs, batch along
     data x fsdp, metrics replicated) and ``donate_argnums=0``: the input state is consumed.
@@ -173,35 +196,60 @@ def _place(tree, sharding):
     return jax.tree.map(put, tree)
 
 
-def _run(kind, state, batch, replay, config, ref_logprobs):
+def _run(kind, state, batch, replay, config, ref_logprobs, trainer_routes=None):
+    if (replay == "trainer") != (trainer_routes is not None):
+        raise ValueError(f"replay={replay!r} with trainer_routes="
+                         f"{'None' if trainer_routes is None else 'given'}: expected trainer_routes = "
+                         "record_trainer_routes(state, batch) exactly when replay='trainer'")
     c = _lookup(kind, state, replay, config, ref_logprobs is not None)
     validate_batch(batch, c.model_config, c.mesh)
     if ref_logprobs is not None and tuple(np.shape(ref_logprobs)) != tuple(np.shape(batch.tokens)):
         raise ValueError(f"ref_logprobs shape={tuple(np.shape(ref_logprobs))}: expected [B, S] = "
                          f"{tuple(np.shape(batch.tokens))}")
+    if trainer_routes is not None and tuple(np.shape(trainer_routes)) != tuple(np.shape(batch.routes)):
+        raise ValueError(f"trainer_routes shape={tuple(np.shape(trainer_routes))}: expected [B, S, L, K] = "
+                         f"{tuple(np.shape(batch.routes))}")
     args = (state, _place(batch, c.batch_sharding))
     if ref_logprobs is not None:
         args += (_place(ref_logprobs, c.batch_sharding),)
+    if trainer_routes is not None:
+        args += (_place(trainer_routes, c.batch_sharding),)
     return c.fn(*args)
 
 
+def record_trainer_routes(state: TrainState, batch) -> jax.Array:
+    """R2's recording pass: the routes ``[B, S, L, K]`` int32 of the trainer's own live forward on
+    ``state`` (the pre-update policy, i.e. the old-logprob pass), for every token of ``batch``.
+
+    Call it once per rollout batch before its first update and pass the result unchanged as
+    ``train_step(..., replay="trainer", trainer_routes=...)`` to every minibatch update of that
+    batch (slice it along B like the batch). The state is not donated.
+    """
+    c = _lookup("record", state, "none", LossConfig(), False)
+    validate_batch(batch, c.model_config, c.mesh)
+    return c.fn(state, _place(batch, c.batch_sharding))
+
+
 def train_step(state: TrainState, batch, *, replay: str = "rollout", config: LossConfig = LossConfig(),
-               ref_logprobs=None) -> tuple[TrainState, dict[str, jax.Array]]:
+               ref_logprobs=None, trainer_routes=None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step. Returns ``(new_state, metrics)``; ``state`` is donated (do not reuse it).
 
-    replay: "rollout" (replay batch.routes where batch.route_mask) or "none" (live routing).
+    replay: "rollout" (R3: replay batch.routes where batch.route_mask), "trainer" (R2: replay
+    ``trainer_routes`` [B, S, L, K] from :func:`record_trainer_routes` on every real token; required
+    exactly in this mode) or "none" (live routing).
     metrics (replicated scalars unless noted): loss, pg_loss, aux_loss, clip_fraction,
     importance_weight, grad_norm, num_targets, mean_abs_delta, k3_kl, f2, fallback_fraction,
     routing_disagreement, routing_disagreement_per_layer [L], token_any_disagreement (routes used,
     so 0 under replay) and the live_* versions of those three (the router's own top-k, which
-    replay overrides; see r3jax.metrics.mismatch_metrics), + kl_ref with a reference.
+    replay overrides; see r3jax.metrics.mismatch_metrics), entropy (mean policy entropy at the
+    targets), + kl_ref with a reference.
     The compiled program is cached per (mesh, state structure, replay, config, batch shapes).
     """
-    return _run("train", state, batch, replay, config, ref_logprobs)
+    return _run("train", state, batch, replay, config, ref_logprobs, trainer_routes)
 
 
 def eval_step(state: TrainState, batch, *, replay: str = "rollout", config: LossConfig = LossConfig(),
-              ref_logprobs=None) -> dict[str, jax.Array]:
+              ref_logprobs=None, trainer_routes=None) -> dict[str, jax.Array]:
     """Forward-only metrics of ``state`` on ``batch`` (same dict as train_step minus grad_norm).
     The state is not donated."""
-    return _run("eval", state, batch, replay, config, ref_logprobs)
+    return _run("eval", state, batch, replay, config, ref_logprobs, trainer_routes)

@@ -80,3 +80,42 @@ def test_used_routes_versus_live_routes():
     assert float(replayed["live_routing_disagreement"]) == 0.5
     live_only = mismatch_metrics(**kw)
     assert float(live_only["routing_disagreement"]) == float(live_only["live_routing_disagreement"]) == 0.5
+
+
+def test_collapse_detector_on_synthetic_curves():
+    rise = [0.1, 0.2, 0.3, 0.4]
+    # falls below half the peak (0.4 -> < 0.2) and stays 5 steps: collapse starts at index 4
+    assert mm.collapse_step(rise + [0.1, 0.0, 0.05, 0.1, 0.15, 0.3]) == 4
+    # a 4-step dip then recovery is not a collapse; neither is a fall to exactly half the peak
+    assert mm.collapse_step(rise + [0.1, 0.0, 0.0, 0.1, 0.4, 0.4]) is None
+    assert mm.collapse_step(rise + [0.2] * 8) is None
+    # a late fall with fewer than 5 steps left is not (yet) a collapse
+    assert mm.collapse_step(rise + [0.0] * 4) is None
+    # the peak is the running one: after a later, higher peak, a fall below half of it counts
+    assert mm.collapse_step([0.2, 0.15, 0.8, 0.7, 0.3, 0.3, 0.3, 0.3, 0.3]) == 4
+    # flat or noisy-but-stable curves never collapse; an all-zero curve has no positive peak
+    rng = np.random.default_rng(0)
+    assert mm.collapse_step(0.5 + 0.1 * rng.standard_normal(200)) is None
+    assert mm.collapse_step([0.0] * 10) is None
+    assert mm.collapse_step(rise + [0.1] * 3, patience=3) == 4
+    with pytest.raises(ValueError, match="patience=0: expected >= 1"):
+        mm.collapse_step(rise, patience=0)
+
+
+def test_mean_ci95_uses_student_t():
+    mean, half = mm.mean_ci95([1.0, 2.0, 3.0])
+    assert mean == 2.0 and math.isclose(half, 4.303 * 1.0 / math.sqrt(3), rel_tol=1e-9)
+    mean, half = mm.mean_ci95([0.5] * 5)
+    assert mean == 0.5 and half == 0.0
+    assert math.isnan(mm.mean_ci95([0.7])[1])
+    with pytest.raises(ValueError, match=r"values=\[\]: expected at least one value"):
+        mm.mean_ci95([])
+
+
+def test_target_entropy_reads_the_predicting_position():
+    v = 4
+    logits = np.zeros((1, 3, v), np.float32)  # uniform at position 0: entropy ln 4
+    logits[0, 1] = [100.0, 0.0, 0.0, 0.0]  # one-hot at position 1: entropy 0
+    logits[0, 2] = np.nan  # never read: no target after it
+    assert math.isclose(float(mm.target_entropy(logits, np.array([[0.0, 1.0, 0.0]]))), math.log(v), rel_tol=1e-6)
+    assert float(mm.target_entropy(logits, np.array([[0.0, 0.0, 1.0]]))) < 1e-6

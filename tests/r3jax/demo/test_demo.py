@@ -4,10 +4,12 @@ checkpoints and plots; --resume continues from the saved step."""
 import json
 import shutil
 
+import numpy as np
+
 from r3jax.demo import main
 
 SMALL = ["--steps", "2", "--prompts", "2", "--samples", "2", "--warmup-steps", "2", "--max-turns", "2",
-         "--max-tokens", "3", "--max-seq-len", "64", "--save-every", "1", "--no-progress"]
+         "--max-tokens", "3", "--max-seq-len", "64", "--save-every", "1", "--no-progress", "--seeds", "1"]
 
 
 def _records(path):
@@ -17,37 +19,54 @@ def _records(path):
 def test_in_process_run_writes_outputs_and_resumes(tmp_path, capsys):
     out = tmp_path / "demo"
     main(SMALL + ["--in-process", "--replay", "rollout", "--out", str(out)])
-    recs = _records(out / "rollout" / "metrics.jsonl")
+    recs = _records(out / "rollout" / "seed0" / "metrics.jsonl")
     assert [r["step"] for r in recs] == [1, 2]
     assert all(r["routing_disagreement"] == 0.0 for r in recs)  # replay uses exactly the rollout's experts
     assert all(r["route_rows"] > 0 and r["route_bytes"] > 0 for r in recs)
-    assert sorted(int(p.name) for p in (out / "rollout" / "ckpt").iterdir() if p.name.isdigit()) == [1, 2]
+    assert sorted(int(p.name) for p in (out / "rollout" / "seed0" / "ckpt").iterdir() if p.name.isdigit()) == [1, 2]
     assert (out / "demo.png").stat().st_size > 10_000
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["runs"][0]["steps"] == 2
+    assert summary["runs"][0]["steps"] == 2 and summary["runs"][0]["seeds"] == [0]
+    assert summary["replay_effect"] is None  # one mode: nothing to compare
     inc, full = summary["transfer_bytes_per_turn"]["incremental"], summary["transfer_bytes_per_turn"]["full_regather"]
     assert inc[0] == full[0] and inc[1] < full[1]  # turn 2 re-sends the whole prefix without the start
 
     # "crash" after step 2 was logged but before its checkpoint landed: resume re-runs step 2 from the
     # step-1 checkpoint and the log keeps each step once; a changed learning rate is allowed and reported
-    shutil.rmtree(out / "rollout" / "ckpt" / "2")
+    shutil.rmtree(out / "rollout" / "seed0" / "ckpt" / "2")
     capsys.readouterr()
     main(SMALL[2:] + ["--steps", "3", "--in-process", "--replay", "rollout", "--out", str(out), "--resume",
                       "--lr", "5e-4"])
-    assert ("resuming from the step-1 checkpoint in " + str(out / "rollout" / "ckpt")
+    assert ("resuming from the step-1 checkpoint in " + str(out / "rollout" / "seed0" / "ckpt")
             + " with changed settings: --lr 0.001 -> 0.0005") in capsys.readouterr().out
-    recs = _records(out / "rollout" / "metrics.jsonl")
+    recs = _records(out / "rollout" / "seed0" / "metrics.jsonl")
     assert [r["step"] for r in recs] == [1, 2, 3]
-    assert 3 in [int(p.name) for p in (out / "rollout" / "ckpt").iterdir() if p.name.isdigit()]
+    assert 3 in [int(p.name) for p in (out / "rollout" / "seed0" / "ckpt").iterdir() if p.name.isdigit()]
 
 
-def test_server_run_with_and_without_replay(tmp_path):
+def test_server_run_with_and_without_replay_over_seeds(tmp_path, capsys):
     out = tmp_path / "demo"
-    summary = main(SMALL + ["--steps", "1", "--replay", "both", "--out", str(out)])
+    summary = main(SMALL + ["--steps", "1", "--replay", "both", "--out", str(out), "--seeds", "2", "--seed", "3"])
     for mode in ("rollout", "none"):
-        recs = _records(out / mode / "metrics.jsonl")
-        assert len(recs) == 1 and recs[0]["weight_version"] >= 1
-        assert (out / mode / "ckpt" / "1").is_dir()
+        for seed in (3, 4):
+            recs = _records(out / mode / f"seed{seed}" / "metrics.jsonl")
+            assert len(recs) == 1 and recs[0]["weight_version"] >= 1 and recs[0]["seed"] == seed
+            assert (out / mode / f"seed{seed}" / "ckpt" / "1").is_dir()
     assert (out / "server.log").exists() and (out / "demo.png").exists()
-    assert [r["run"] for r in summary["runs"]] == ["with replay (R3)", "without replay"]
-    assert summary["runs"][0]["routing_disagreement"] == 0.0
+    assert json.loads((out / "summary.json").read_text()) == summary
+    runs = summary["runs"]
+    assert [r["run"] for r in runs] == ["with replay (R3)", "without replay"]
+    assert [r["seeds"] for r in runs] == [[3, 4], [3, 4]]
+    for r in runs:  # every statistic is [mean over seeds, 95% CI half-width]
+        for key in ("reward_first", "reward_last", "k3_kl", "mean_abs_delta", "clip_fraction", "grad_norm"):
+            mean, half = r[key]
+            assert np.isfinite(mean) and np.isfinite(half) and half >= 0.0, (key, r[key])
+        lo, hi = min(r["reward_last_per_seed"]), max(r["reward_last_per_seed"])
+        assert lo <= r["reward_last"][0] <= hi
+    assert runs[0]["routing_disagreement"][0] == 0.0
+    effect = summary["replay_effect"]
+    assert effect["seeds"] == [3, 4] and len(effect["per_seed"]) == 2
+    assert np.isclose(effect["replay_minus_none"], np.mean(effect["per_seed"]))
+    assert np.isclose(effect["ci95"], 12.706 * np.std(effect["per_seed"], ddof=1) / np.sqrt(2))
+    printed = capsys.readouterr().out
+    assert f"{effect['replay_minus_none']:+.4f} ± {effect['ci95']:.4f} (95% CI, 2 paired seeds)" in printed

@@ -18,7 +18,8 @@ from r3jax.demo import main
 
 ROOT = Path(__file__).resolve().parents[3]
 SMALL = ["--prompts", "2", "--samples", "2", "--warmup-steps", "0", "--max-turns", "2", "--max-tokens", "3",
-         "--max-seq-len", "64", "--save-every", "1", "--no-progress", "--in-process", "--replay", "rollout"]
+         "--max-seq-len", "64", "--save-every", "1", "--no-progress", "--in-process", "--replay", "rollout",
+         "--seeds", "1"]
 
 
 def _steps(path):
@@ -27,19 +28,19 @@ def _steps(path):
 
 def test_resume_with_nothing_to_resume_says_so_and_keeps_the_old_log(tmp_path, capsys):
     out = tmp_path / "demo"
-    (out / "rollout").mkdir(parents=True)
+    (out / "rollout" / "seed0").mkdir(parents=True)
     old_log = '{"step": 1, "note": "a run whose checkpoints are gone"}\n'
-    (out / "rollout" / "metrics.jsonl").write_text(old_log)
+    (out / "rollout" / "seed0" / "metrics.jsonl").write_text(old_log)
     main(SMALL + ["--steps", "1", "--resume", "--out", str(out)])
     said = capsys.readouterr().out
-    assert f"--resume found no checkpoint in {out / 'rollout' / 'ckpt'}; starting fresh at step 0" in said
-    assert _steps(out / "rollout" / "metrics.jsonl") == [1]
-    assert (out / "rollout" / "metrics.jsonl.1").read_text() == old_log  # kept, not truncated
+    assert f"--resume found no checkpoint in {out / 'rollout' / 'seed0' / 'ckpt'}; starting fresh at step 0" in said
+    assert _steps(out / "rollout" / "seed0" / "metrics.jsonl") == [1]
+    assert (out / "rollout" / "seed0" / "metrics.jsonl.1").read_text() == old_log  # kept, not truncated
 
 
 def test_resume_from_a_different_training_state_exits_nonzero_and_touches_nothing(tmp_path):
     out = tmp_path / "demo"
-    ckpt_dir, log = out / "rollout" / "ckpt", out / "rollout" / "metrics.jsonl"
+    ckpt_dir, log = out / "rollout" / "seed0" / "ckpt", out / "rollout" / "seed0" / "metrics.jsonl"
     # a checkpoint of the same model trained with plain sgd (no optimizer state); the demo uses adam
     model = models.MoeTransformer(models.MoeConfig.tiny(), rngs=nnx.Rngs(0))
     state = train.init_train_state(model, optax.sgd(0.1))
@@ -86,6 +87,6 @@ def test_a_failing_checkpoint_write_stops_the_run_with_the_error(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _BREAK_AT_STEP_2, *SMALL, "--steps", "4", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert (f"r3jax demo: error: checkpoint save of step 2 to {out / 'rollout' / 'ckpt'} failed "
+    assert (f"r3jax demo: error: checkpoint save of step 2 to {out / 'rollout' / 'seed0' / 'ckpt'} failed "
             "(NotADirectoryError") in proc.stderr, proc.stderr[-3000:]
-    assert _steps(out / "rollout" / "metrics.jsonl") == [1]  # stopped at the failing step
+    assert _steps(out / "rollout" / "seed0" / "metrics.jsonl") == [1]  # stopped at the failing step

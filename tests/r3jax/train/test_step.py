@@ -140,7 +140,7 @@ def test_reference_kl_enters_the_loss(tiny, rollout_batch, tx):
 def test_host_validation_errors(tiny, rollout_batch, tx, train_cfg):
     _, model = tiny
     state = train.init_train_state(model, tx)
-    with pytest.raises(ValueError, match=r"replay='always': expected one of \('rollout', 'none'\)"):
+    with pytest.raises(ValueError, match=r"replay='always': expected one of \('rollout', 'trainer', 'none'\)"):
         train.eval_step(state, rollout_batch, replay="always")
     with pytest.raises(ValueError, match=r"ref_logprobs=None with LossConfig.kl_coef=0.1"):
         train.eval_step(state, rollout_batch, config=train.LossConfig(kl_coef=0.1))

@@ -1,0 +1,70 @@
+"""Weight-only int8 fake quantisation: the CPU stand-in for the FP8 rollouts of production RL stacks.
+
+``quantize_int8(params)`` rounds every matmul weight to symmetric int8 with one scale per output
+channel and dequantizes it back to the parameter's dtype, so the result drops into
+``Engine.set_weights`` (same shapes and dtypes) and the rollout computes with the rounded weights.
+What a serving stack keeps in high precision stays exact: embeddings, the LM head, norm scales and
+every other 1-D parameter (biases included). The router is quantized only when asked
+(``quantize_router=True``); FP8 serving usually keeps it in bf16, the default here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+INT8_MAX = 127
+_KEEP = ("embed", "lm_head")  # path parts never quantized (vocab tables)
+
+
+def _path_names(path) -> list[str]:
+    names = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                names.append(str(getattr(k, attr)))
+                break
+    return names
+
+
+def is_router_path(path) -> bool:
+    """True for parameters of a router (any path part containing "router")."""
+    return any("router" in n for n in _path_names(path))
+
+
+def quantized_leaf(path, x, *, quantize_router: bool) -> bool:
+    """Whether :func:`quantize_int8` rounds the leaf at ``path``: a matmul weight (ndim >= 2) that is
+    not an embedding / LM head, and not a router unless ``quantize_router``."""
+    names = _path_names(path)
+    if jnp.ndim(x) < 2 or not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
+        return False
+    if any(n in _KEEP for n in names):
+        return False
+    return quantize_router or not is_router_path(path)
+
+
+def fake_quant_int8(w: jax.Array) -> jax.Array:
+    """Symmetric per-output-channel int8 round trip of a weight ``[..., in, out]`` (``x @ w``).
+
+    One scale per output channel (and per leading index, e.g. per expert of ``[E, D, I]``):
+    ``s = max|w[..., :, j]| / 127``, ``w' = clip(round(w / s), -127, 127) * s`` in w's dtype. An
+    all-zero channel stays zero.
+    """
+    w32 = jnp.asarray(w, jnp.float32)
+    amax = jnp.max(jnp.abs(w32), axis=-2, keepdims=True)  # [..., 1, out]
+    scale = jnp.where(amax > 0, amax / INT8_MAX, 1.0)
+    q = jnp.clip(jnp.round(w32 / scale), -INT8_MAX, INT8_MAX)
+    return (q * scale).astype(jnp.asarray(w).dtype)
+
+
+def quantize_int8(params, *, quantize_router: bool = False):
+    """The parameter pytree (e.g. ``nnx.State`` of ``nnx.Param``) with every matmul weight int8
+    fake-quantized by :func:`fake_quant_int8`; other leaves are returned unchanged (same objects).
+
+    Pure: ``params`` is not modified. Shapes and dtypes are kept, so
+    ``engine.set_weights(quantize_int8(params))`` gives int8 weight-only rollouts.
+    """
+    def q(path, x):
+        return fake_quant_int8(x) if quantized_leaf(path, x, quantize_router=quantize_router) else x
+
+    return jax.tree_util.tree_map_with_path(q, params)

@@ -1,0 +1,111 @@
+"""int8 weight-only fake quantisation (models.quant): what it rounds, and what int8 rollouts do.
+
+The rollout cases use the engine API (``Engine.set_weights`` with the quantized params): the
+tokens a greedy decode picks survive int8 weights when their margins are wide, while routes whose
+router scores sit within one int8 step of each other do not.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import models
+from models.quant import fake_quant_int8, quantize_int8
+from r3jax.engine import Engine, GenerateRequest
+
+
+def _leaf(params, *names):
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        if all(n in jax.tree_util.keystr(path) for n in names):
+            return x
+    raise KeyError(names)
+
+
+def test_fake_quant_is_per_output_channel_symmetric_int8():
+    w = jnp.array([[0.5, -2.0, 0.0], [-1.0, 1.0, 0.0], [0.25, 0.003, 0.0]], jnp.float32)  # [in=3, out=3]
+    q = np.asarray(fake_quant_int8(w))
+    s = np.array([1.0, 2.0, 1.0]) / 127  # max |w| per output column / 127; the zero column stays 0
+    np.testing.assert_allclose(q, np.clip(np.round(np.asarray(w) / s), -127, 127) * s, rtol=1e-6)
+    assert q[2, 1] == 0.0 and q[0, 1] == -2.0 and np.all(q[:, 2] == 0.0)
+    # an expert bank [E, in, out] gets a scale per expert and output channel
+    bank = jnp.stack([w, 10 * w])
+    np.testing.assert_allclose(np.asarray(fake_quant_int8(bank))[1], 10 * q, rtol=1e-6)
+
+
+def test_quantize_keeps_vocab_tables_norms_and_router_unless_asked():
+    model = models.MoeTransformer(models.MoeConfig.tiny(), rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    q = quantize_int8(params)
+    same = lambda *names: np.array_equal(_leaf(params, *names), _leaf(q, *names))
+    assert same("embed") and same("lm_head") and same("final_norm") and same("[1]", "router")
+    assert not same("[1]", "gate_proj") and not same("[0]", "attn", "q_proj")
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(q)):
+        assert a.shape == b.shape and a.dtype == b.dtype  # drops into Engine.set_weights
+    assert not np.array_equal(_leaf(params, "[1]", "router"),
+                              _leaf(quantize_int8(params, quantize_router=True), "[1]", "router"))
+
+
+def _constructed_model():
+    """Tiny model whose greedy argmax has a wide margin (the LM head reads the input token's
+    embedding back, x20) and whose layer-1 router has 8 columns equal on an int8 grid plus per-column
+    offsets below a quarter of the int8 step: fp32 ranks the experts by those offsets, int8 sees
+    an exact 8-way tie (so top-k takes experts 0 and 1)."""
+    cfg = models.MoeConfig.tiny()
+    model = models.MoeTransformer(cfg, rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    rng = np.random.default_rng(0)
+    d, e = cfg.hidden_size, cfg.num_experts
+    step = 0.1 / 127
+    base = rng.integers(-126, 127, d).astype(np.float32)
+    base[0] = 127  # the column max sits here: same scale for every column
+    offsets = rng.uniform(-0.2, 0.2, (d, e)).astype(np.float32)
+    offsets[0] = 0.0
+    router = (base[:, None] + offsets) * step
+    embed = np.asarray(_leaf(params, "embed"))
+    lm_head = 20.0 * embed.T / np.mean(np.linalg.norm(embed, axis=1))
+
+    def fix(path, x):
+        key = jax.tree_util.keystr(path)
+        if "lm_head" in key:
+            return jnp.asarray(lm_head, x.dtype)
+        if "[1]" in key and "router" in key:
+            return jnp.asarray(router, x.dtype)
+        return x
+
+    nnx.update(model, jax.tree_util.tree_map_with_path(fix, params))
+    return cfg, model
+
+
+def test_int8_rollouts_keep_greedy_tokens_and_change_close_routes():
+    cfg, model = _constructed_model()
+    params = nnx.state(model, nnx.Param)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, cfg.vocab_size, 6).tolist() for _ in range(4)]
+    reqs = [GenerateRequest(prompt_ids=p, max_tokens=8, temperature=0.0, return_routed_experts=True)
+            for p in prompts]
+    engine = Engine(model, max_seq_len=32, max_batch_size=4)
+    fp32 = engine.generate(reqs)
+    engine.set_weights(quantize_int8(params, quantize_router=True))
+    int8 = engine.generate(reqs)
+
+    assert [o.output_ids for o in int8] == [o.output_ids for o in fp32]
+    r32 = np.concatenate([np.asarray(o.routed_experts) for o in fp32])  # [N, L, K]
+    r8 = np.concatenate([np.asarray(o.routed_experts) for o in int8])
+    assert r32.shape == r8.shape == (4 * (6 + 8 - 1), cfg.num_moe_layers, cfg.top_k)
+    sets = lambda r: np.sort(r, axis=-1)
+    # layer 1 (the first MoE layer): int8 ties every expert, so each token takes {0, 1}; fp32 ranks
+    # them by the offsets, so most tokens take another pair
+    assert np.all(sets(r8[:, 0]) == [0, 1])
+    differ = np.any(sets(r8[:, 0]) != sets(r32[:, 0]), axis=-1)
+    assert differ.mean() > 0.5, differ.mean()
+
+
+@pytest.mark.parametrize("quantize_router", [False, True])
+def test_quantize_is_pure(quantize_router):
+    model = models.MoeTransformer(models.MoeConfig.tiny(), rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    before = [np.asarray(x).copy() for x in jax.tree.leaves(params)]
+    quantize_int8(params, quantize_router=quantize_router)
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, jax.tree.leaves(params)))
