@@ -7,6 +7,7 @@ import contextlib
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,9 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "r3jax", "serve", "--model", args.config, "--host", "127.0.0.1",
                "--port", "0", "--max-seq-len", str(args.max_seq_len),
                "--max-batch-size", str(args.prompts * args.samples), "--seed", str(args.seed),
-               "--dtype", args.rollout_dtype, "--batch-wait-ms", "20"]  # gather a turn's requests
+               "--dtype", args.rollout_dtype,
+               # compiled programs persist across demo runs: a second `make demo` skips most of warm-up
+               "--compilation-cache", str(Path(args.out).resolve().parent / ".jax-compilation-cache")]
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True)
         line = self.proc.stdout.readline()  # the server prints its address once bound
@@ -30,6 +33,25 @@ class ServerProcess:
         # keep draining stdout so a chatty server can never block on a full pipe
         self._drain = threading.Thread(target=lambda: [self.log.write(x) for x in self.proc.stdout], daemon=True)
         self._drain.start()
+        self._wait_ready(log_path)
+
+    def _wait_ready(self, log_path: Path, poll_s: float = 0.5):
+        """Block until ``/health`` is 200: the server compiles every program before serving (minutes
+        on a cold CPU cache), longer than a request's retry budget should have to cover."""
+        import httpx
+
+        t0 = time.perf_counter()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during warm-up (see {log_path})")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(poll_s)
+        print(f"server ready after {time.perf_counter() - t0:.0f} s of warm-up (every program compiled)",
+              flush=True)
 
     def stop(self):
         if self.proc.poll() is None:
