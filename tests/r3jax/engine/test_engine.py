@@ -99,6 +99,15 @@ def test_capture_off_and_logprobs_off(engine):
     assert isinstance(on, GenerateOutput) and on.routed_experts.shape == (11 + 6 - 1, L, K)
 
 
+def _until(cond, timeout_s=60.0):
+    """Poll ``cond`` every millisecond; fail (never hang) if it does not hold within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail("condition not reached in time")
+        time.sleep(0.001)
+
+
 def _long(i, n=50):
     return GenerateRequest(prompt_ids=_prompt(40 + i, 4), max_tokens=n, temperature=0.0)
 
@@ -106,8 +115,7 @@ def _long(i, n=50):
 def test_a_request_submitted_while_others_decode_starts_before_they_finish(engine):
     decode_calls = engine.stats["decode_calls"]
     long = [engine.submit(_long(i)) for i in range(2)]
-    while engine.stats["decode_calls"] == decode_calls:  # the long ones are decoding
-        time.sleep(0.001)
+    _until(lambda: engine.stats["decode_calls"] != decode_calls)  # the long ones are decoding
     short = engine.submit(GenerateRequest(prompt_ids=[3, 4], max_tokens=2, temperature=0.0))
     short.result(timeout=60)
     assert not any(f.done() for f in long)  # 50 tokens take >= 6 decode calls; the short one needed 1
@@ -117,8 +125,7 @@ def test_a_request_submitted_while_others_decode_starts_before_they_finish(engin
 def test_cancellation_frees_the_slot(engine):
     cancelled = engine.stats["cancelled"]
     running = [engine.submit(_long(i, 60)) for i in range(4)]  # every slot busy for >= 8 decode calls
-    while engine.stats["live_slots"] < 4:
-        time.sleep(0.001)
+    _until(lambda: engine.stats["live_slots"] >= 4)
     waiting = engine.submit(GenerateRequest(prompt_ids=[3, 4], max_tokens=2, temperature=0.0))
     assert running[1].cancel()
     waiting.result(timeout=60)  # got the cancelled request's slot...

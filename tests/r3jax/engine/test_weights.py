@@ -32,8 +32,11 @@ def weights(tiny_model, make_engine):
     return params, scaled, make_engine(other)
 
 
-def _wait_live(engine, n):
+def _wait_live(engine, n, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s  # fail, never hang, if the requests ended first
     while engine.stats["live_slots"] < n:
+        if time.monotonic() > deadline:
+            pytest.fail(f"never saw {n} live slots (now {engine.stats['live_slots']})")
         time.sleep(0.001)
 
 
