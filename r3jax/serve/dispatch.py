@@ -89,7 +89,7 @@ class ServeContext:
         def timed():
             t0 = time.perf_counter()
             response, wire = encode()
-            if routes is not None and wire:
+            if routes is not None:
                 self.route_stats["encode_s"] += time.perf_counter() - t0
                 self.route_stats["rows"] += int(routes.shape[0])
                 self.route_stats["bytes"] += int(wire)
