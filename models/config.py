@@ -46,7 +46,10 @@ class MoeConfig:
     Layer layout (models/stacking.py): ``scan_layers=True`` (the default) stacks each run of identical
     layers (the dense-first layers, then the MoE layers) along a leading layer axis and runs it with one
     ``jax.lax.scan``, so compile time does not grow with depth; ``scan_layers=False`` keeps one module
-    per layer and a Python loop (for debugging; same outputs). ``remat`` checkpoints each layer's
+    per layer and a Python loop (for debugging; same outputs). A run of fewer than
+    ``scan_min_layers`` layers is still scanned over stacked variables but lowered unrolled
+    (``jax.lax.scan(..., unroll=n)``): on XLA:CPU a loop costs about as much compile time as four or
+    five layer bodies, so short runs compile faster without one. ``remat`` checkpoints each layer's
     activations: one of ``REMAT_MODES``.
     """
 
@@ -91,6 +94,7 @@ class MoeConfig:
     rope_interleave: bool = True
     # layer layout and activation checkpointing
     scan_layers: bool = True
+    scan_min_layers: int = 4
     remat: str = "none"
 
     def __post_init__(self):
@@ -101,6 +105,8 @@ class MoeConfig:
              f"in [0, num_layers={self.num_layers}]"),
             ("moe_impl", self.moe_impl in MOE_IMPLS, "one of " + ", ".join(map(repr, MOE_IMPLS))),
             ("scan_layers", isinstance(self.scan_layers, bool), "a bool"),
+            ("scan_min_layers", isinstance(self.scan_min_layers, int) and not isinstance(self.scan_min_layers, bool)
+             and self.scan_min_layers >= 1, "an int >= 1"),
             ("remat", self.remat in REMAT_MODES, "one of " + ", ".join(map(repr, REMAT_MODES))),
             ("head_dim", self.head_dim % 2 == 0, "even (RoPE rotates pairs)"),
             ("router", self.router in ROUTERS, f"one of {ROUTERS}"),

@@ -65,11 +65,12 @@ def _layer_fn(graphdef, remat: str, scanned: bool):
 
 
 def run_layers(graphdef, states, x, *, positions, segment_ids, token_mask, cache_k, cache_v, replay_ids,
-               replay_mask, remat: str, scanned: bool):
+               replay_mask, remat: str, scanned: bool, min_loop: int = 1):
     """Run a group of n identical layers.
 
     states: the group's stacked variables (leaves ``[n, ...]``) when ``scanned``, else a list of n
-    per-layer ``(graphdef, state)`` pairs (graphdef is then unused). cache_k / cache_v: the group's
+    per-layer ``(graphdef, state)`` pairs (graphdef is then unused). A scanned group of fewer than
+    ``min_loop`` layers is lowered unrolled (``MoeConfig.scan_min_layers``). cache_k / cache_v: the group's
     cache ``[n, B, S, Hkv, Dh]`` or None; replay_ids: ``[n, B, T, K]`` (layer axis first) or None.
     Returns ``(x, (cache_k, cache_v), moe)`` with moe the per-layer MoE outputs stacked along a leading
     layer axis (None for a dense group).
@@ -88,7 +89,7 @@ def run_layers(graphdef, states, x, *, positions, segment_ids, token_mask, cache
         fn = _layer_fn(graphdef, remat, scanned=True)
         n = jax.tree.leaves(states)[0].shape[0]
         body = lambda c, xs: step(c, xs[0], fn, xs[1], xs[2])
-        carry, moe = jax.lax.scan(body, carry, (jnp.arange(n), states, replay_ids))
+        carry, moe = jax.lax.scan(body, carry, (jnp.arange(n), states, replay_ids), unroll=n if n < min_loop else 1)
     else:
         outs = []
         for j, (gd, state) in enumerate(states):

@@ -88,7 +88,7 @@ class MoeTransformer(nnx.Module):
                 graphdef, states, x, positions=positions, segment_ids=segment_ids, token_mask=token_mask,
                 cache_k=None if cache is None else cache.k[g], cache_v=None if cache is None else cache.v[g],
                 replay_ids=r_ids, replay_mask=None if replay is None else replay.mask, remat=cfg.remat,
-                scanned=cfg.scan_layers)
+                scanned=cfg.scan_layers, min_loop=cfg.scan_min_layers)
             new_k.append(ck), new_v.append(cv)
             if is_moe:  # moe: ids, live [L, B, T, K], aux [L], load [L, E]
                 ids_, live, aux, expert_load = moe
