@@ -44,6 +44,10 @@ class MoeTransformer(nnx.Module):
     values, so right padding needs nothing: the real tokens get the unpadded row's logits and
     routes. Left padding needs segment_ids that give the padding its own id (e.g. 0 on padding, 1
     on the tokens); without them the real tokens would attend to the padding before them.
+
+    Layers: ``config.scan_layers`` (default) stacks the dense-first run as ``dense_layers`` and the MoE
+    run as ``moe_layers`` (leading layer axis) and runs each with one ``jax.lax.scan``; otherwise
+    ``layers[i]`` per layer and a Python loop (models/stacking.py, models/decoder.py).
     """
 
     def __init__(self, config: MoeConfig, *, rngs: nnx.Rngs):
