@@ -8,7 +8,9 @@ times ``lower`` (tracing) and ``compile`` (XLA) of it, wall and process-CPU seco
 less disturbed by other jobs on a shared machine). Layouts: ``unrolled`` (``scan_layers=False``),
 ``scanned`` (the default; a run of fewer than ``scan_min_layers`` layers is lowered unrolled) and
 ``scanned_loop`` (``scan_min_layers=1``: a real loop at every depth; listed only where it differs from
-``scanned``). Ratios are scanned ÷ unrolled from the same run. Writes experiments/results/bench_scan.json.
+``scanned``). Ratios are scanned ÷ unrolled from the same run. Also: decode step time through the KV
+cache (the cache carried through the scan) at depths 8 and 16, so a loop does not cost the engine
+speed. Writes experiments/results/bench_scan.json.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from __future__ import annotations
 import argparse
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 
 from experiments.common import table, write_json
-from models import MoeConfig, MoeTransformer
+from models import KVCache, MoeConfig, MoeTransformer
 from r3jax import train
 from r3jax.batch import collate
 
@@ -62,6 +66,33 @@ def measure(depth: int, layout: str) -> dict:
             "lower_cpu_s": c1 - c0}
 
 
+def decode_ms(depth: int, layout: str, *, batch: int = 8, seq: int = 1024, steps: int = 32) -> dict:
+    """Milliseconds per greedy decode step (all rows, one token each) over a [batch, seq] cache, the
+    steps inside one jitted fori_loop; best of 5."""
+    cfg = MoeConfig(**WIDTHS, num_layers=depth, moe_impl="loop", scan_layers=layout != "unrolled")
+    graphdef, state = nnx.split(MoeTransformer(cfg, rngs=nnx.Rngs(0)))
+
+    def run(state, cache):
+        model = nnx.merge(graphdef, state)
+
+        def body(i, carry):
+            tok, cache = carry
+            out = model(tok, jnp.full((batch, 1), seq // 2 + i, jnp.int32), cache=cache)
+            return jnp.argmax(out.logits[:, -1], -1)[:, None].astype(jnp.int32), out.cache
+
+        return jax.lax.fori_loop(0, steps, body, (jnp.zeros((batch, 1), jnp.int32), cache))
+
+    fn = jax.jit(run, donate_argnums=1)
+    jax.block_until_ready(fn(state, KVCache.init(cfg, batch, seq)))
+    times = []
+    for _ in range(5):
+        cache = jax.block_until_ready(KVCache.init(cfg, batch, seq))
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(state, cache))
+        times.append(time.perf_counter() - t0)
+    return {"depth": depth, "layout": layout, "B": batch, "S": seq, "ms_per_step": min(times) / steps * 1e3}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--depths", default="2,8,16,48")
@@ -90,7 +121,13 @@ def main():
     cols = ["depth", "layout", "unrolled_compile_s", "scanned_compile_s", "ratio", "unrolled_cpu_s", "scanned_cpu_s",
             "cpu_ratio", "unrolled_lower_s", "scanned_lower_s"]
     print(table(summary, cols))
-    print("wrote", write_json("bench_scan", {"rows": rows, "summary": summary, "widths": WIDTHS, "B": B, "S": S,
+    decode = [decode_ms(d, layout) for d in ([8] if args.quick else [8, 16]) for layout in ("unrolled", "scanned")]
+    for r in decode:
+        r["scanned_over_unrolled"] = r["ms_per_step"] / next(x["ms_per_step"] for x in decode
+                                                            if x["depth"] == r["depth"] and x["layout"] == "unrolled")
+    print(table(decode, ["depth", "layout", "B", "S", "ms_per_step", "scanned_over_unrolled"]))
+    print("wrote", write_json("bench_scan", {"rows": rows, "summary": summary, "decode": decode, "widths": WIDTHS,
+                                             "B": B, "S": S,
                                              "scan_min_layers": min_loop,
                                              "note": "shared 2-core machine under load; CPU seconds are the "
                                                      "steadier measure"}))

@@ -89,6 +89,8 @@ def tables() -> dict[str, str]:
     if d:
         out["BENCH_SCAN"] = _t(d["summary"], ["depth", "layout", "unrolled_compile_s", "scanned_compile_s", "ratio",
                                               "unrolled_cpu_s", "scanned_cpu_s", "cpu_ratio"])
+        out["BENCH_SCAN_DECODE"] = _t(d.get("decode", []), ["depth", "layout", "B", "S", "ms_per_step",
+                                                            "scanned_over_unrolled"])
     d = _load("demo_summary")
     if d:
         cols = ["run", "seeds", "steps", "reward_first", "reward_last", "collapses", "k3_kl", "mean_abs_delta",
