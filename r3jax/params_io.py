@@ -15,6 +15,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from models.stacking import GROUPS as STACKED
 from r3jax import tree_io
 
 
@@ -84,11 +85,16 @@ def _shapes(nested, prefix=()) -> dict[tuple[str, ...], tuple[int, ...] | None]:
 def _check_same_params(path, want: dict, have: dict) -> None:
     """Host-side: the checkpoint holds exactly the model's params, with the same shapes."""
     where = f"path={str(path)!r} does not hold this model's params"
+    scanned = lambda keys: any(k[0] in STACKED for k in keys)  # models/stacking.py layouts
+    hint = ""
+    if scanned(have) != scanned(want):
+        hint = (f" (the file holds {'scanned' if scanned(have) else 'unrolled'} layers; the model has "
+                f"scan_layers={scanned(want)})")
     for key in sorted(set(want) | set(have)):
         name = "/".join(key)
         if key not in have:
-            raise ValueError(f"{where}: {name} is missing (expected shape {want[key]})")
+            raise ValueError(f"{where}: {name} is missing (expected shape {want[key]}){hint}")
         if key not in want:
-            raise ValueError(f"{where}: {name} (shape {have[key]}) is not a parameter of the model")
+            raise ValueError(f"{where}: {name} (shape {have[key]}) is not a parameter of the model{hint}")
         if want[key] != have[key]:
             raise ValueError(f"{where}: {name} has shape {have[key]}, expected {want[key]}")
