@@ -33,7 +33,8 @@ def _int(value, flag: str) -> int:
 
 def resolve(coordinator: str | None = None, num_processes: int | str | None = None,
             process_id: int | None = None, environ=None) -> dict | None:
-    """The arguments for ``jax.distributed.initialize``, or None for a single-process run.
+    """The arguments for ``jax.distributed.initialize``, or None for a single-process run (one
+    process and no coordinator; with a coordinator, one process still joins a 1-process job).
 
     Returns ``{}`` for ``num_processes="auto"`` (cluster auto-detection; a coordinator, when
     given, is passed on). Raises ValueError naming the flag or variable that is missing or wrong.
@@ -50,8 +51,10 @@ def resolve(coordinator: str | None = None, num_processes: int | str | None = No
     n = 1 if n is None else _int(n, n_src)
     if n < 1:
         raise ValueError(f"{n_src}={n}: expected an int >= 1, or 'auto'")
-    if n == 1:
+    if n == 1 and "coordinator" not in flags:
         return None
+    if n == 1:  # a 1-process job: the same (gloo) collectives as a multi-process one
+        flags.setdefault("process_id", (0, "--process-id"))
     missing = [f"--{k.replace('_', '-')} (or {ENV[k]})" for k in ("coordinator", "process_id")
                if k not in flags]
     if missing:

@@ -33,54 +33,78 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_local(num_processes: int, argv: Sequence[str], *, devices_per_process: int, timeout: float = 300.0,
-              env: dict | None = None, cwd: str | None = None) -> list[ProcessResult]:
-    """Run ``python -m r3jax train *argv`` as ``num_processes`` processes joined through a coordinator
-    on 127.0.0.1 (``num_processes=1`` runs one plain process). Returns one result per process.
-
-    Raises LocalJobError (with every process's output) when one exits non-zero (the others are
-    killed at once rather than left waiting for a peer that is gone) or ``timeout`` seconds pass.
-    No process outlives this call.
+class LocalJob:
+    """``python -m r3jax train *argv`` as ``num_processes`` processes joined through a coordinator on
+    127.0.0.1 (``num_processes=1`` too: one process in a 1-process job, with the same gloo
+    collectives as several). Started on construction; :meth:`wait` collects it, :meth:`kill` stops
+    whatever still runs (also on exit from a ``with`` block), so no process outlives its owner.
     """
-    port = free_port()
-    base = dict(os.environ if env is None else env)
-    procs, logs = [], []
-    try:
-        for i in range(num_processes):
-            cmd = [sys.executable, "-m", "r3jax", "train", *argv, "--local-devices", str(devices_per_process)]
-            if num_processes > 1:
-                cmd += ["--num-processes", str(num_processes), "--process-id", str(i),
-                        "--coordinator", f"127.0.0.1:{port}"]
-            logs.append(tempfile.TemporaryFile("w+"))
-            procs.append(subprocess.Popen(cmd, stdout=logs[-1], stderr=subprocess.STDOUT, env=base, cwd=cwd))
+
+    def __init__(self, num_processes: int, argv: Sequence[str], *, devices_per_process: int,
+                 env: dict | None = None, cwd: str | None = None):
+        port = free_port()
+        self.num_processes = num_processes
+        self.procs: list[subprocess.Popen] = []
+        self.logs = []
+        try:
+            for i in range(num_processes):
+                cmd = [sys.executable, "-m", "r3jax", "train", *argv, "--local-devices", str(devices_per_process),
+                       "--num-processes", str(num_processes), "--process-id", str(i),
+                       "--coordinator", f"127.0.0.1:{port}"]
+                self.logs.append(tempfile.TemporaryFile("w+"))
+                self.procs.append(subprocess.Popen(cmd, stdout=self.logs[-1], stderr=subprocess.STDOUT,
+                                                   env=dict(os.environ if env is None else env), cwd=cwd))
+        except BaseException:
+            self.kill()
+            raise
+
+    def wait(self, timeout: float = 300.0) -> list[ProcessResult]:
+        """Block until every process exits; returns one result per process. Raises LocalJobError
+        (with every process's output) when one exits non-zero (the others are killed at once
+        rather than left waiting for a peer that is gone) or ``timeout`` seconds pass."""
         deadline = time.monotonic() + timeout
-        failed = None
-        pending = list(procs)
-        while pending and failed is None:
-            for p in list(pending):
-                try:
-                    p.wait(timeout=max(0.05, min(0.5, deadline - time.monotonic())))
-                except subprocess.TimeoutExpired:
-                    if time.monotonic() > deadline:
-                        failed = f"timed out after {timeout:.0f} s"
+        failed, pending = None, list(self.procs)
+        try:
+            while pending and failed is None:
+                for p in list(pending):
+                    try:
+                        p.wait(timeout=max(0.05, min(0.5, deadline - time.monotonic())))
+                    except subprocess.TimeoutExpired:
+                        if time.monotonic() > deadline:
+                            failed = f"timed out after {timeout:.0f} s"
+                            break
+                        continue
+                    pending.remove(p)
+                    if p.returncode != 0:
+                        failed = f"process {self.procs.index(p)} exited with status {p.returncode}"
                         break
-                    continue
-                pending.remove(p)
-                if p.returncode != 0:
-                    failed = f"process {procs.index(p)} exited with status {p.returncode}"
-                    break
-    finally:
-        for p in procs:  # on success they have all exited; otherwise stop the rest now
+        finally:
+            self.kill()
+        results = []
+        for i, (p, log) in enumerate(zip(self.procs, self.logs)):
+            log.seek(0)
+            results.append(ProcessResult(i, p.returncode, log.read()))
+        if failed is not None:
+            tails = "\n".join(f"--- process {r.process_id} (status {r.returncode}) ---\n{r.output[-3000:]}"
+                              for r in results)
+            raise LocalJobError(f"local {self.num_processes}-process job {failed}:\n{tails}", results)
+        return results
+
+    def kill(self) -> None:
+        for p in self.procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
-    results = []
-    for i, (p, log) in enumerate(zip(procs, logs)):
-        log.seek(0)
-        results.append(ProcessResult(i, p.returncode, log.read()))
-        log.close()
-    if failed is not None:
-        tails = "\n".join(f"--- process {r.process_id} (status {r.returncode}) ---\n{r.output[-3000:]}"
-                          for r in results)
-        raise LocalJobError(f"local {num_processes}-process job {failed}:\n{tails}", results)
-    return results
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.kill()
+
+
+def run_local(num_processes: int, argv: Sequence[str], *, devices_per_process: int, timeout: float = 300.0,
+              env: dict | None = None, cwd: str | None = None) -> list[ProcessResult]:
+    """Start a :class:`LocalJob` and wait for it (see there)."""
+    with LocalJob(num_processes, argv, devices_per_process=devices_per_process, env=env, cwd=cwd) as job:
+        return job.wait(timeout)
