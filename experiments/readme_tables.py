@@ -85,6 +85,10 @@ def tables() -> dict[str, str]:
                                     "programs.\n\n" + _t(d.get("timing", []), [
                                         "config", "tokens", "step_s_live", "step_s_replay", "replay_step_ratio",
                                         "ratio_of_min", "xla_flops_ratio", "xla_bytes_ratio", "reps"]))
+    d = _load("bench_multiprocess")
+    if d:
+        out["BENCH_MULTIPROCESS"] = _t(d["results"], ["mesh", "B", "S", "one_ms", "one_gloo_ms", "two_ms",
+                                                      "ratio", "ratio_gloo"])
     d = _load("demo_summary")
     if d:
         cols = ["run", "seeds", "steps", "reward_first", "reward_last", "collapses", "k3_kl", "mean_abs_delta",

@@ -118,12 +118,18 @@ def write_example_data(args) -> Path:
 
 
 def _metrics_log(path: Path, start: int, primary: bool):
-    """Process 0's log, keeping the lines of steps the restored state contains (later ones re-run)."""
+    """Process 0's log. Resuming keeps the lines of the steps the restored state contains (later
+    ones are re-run); a fresh start keeps an earlier log aside as ``metrics.jsonl.<n>``."""
     if not primary:
         return None
-    keep = [x for x in (path.read_text().splitlines() if path.exists() else [])
-            if x.strip() and json.loads(x)["step"] <= start]
-    path.write_text("".join(x + "\n" for x in keep))
+    lines = [x for x in (path.read_text().splitlines() if path.exists() else []) if x.strip()]
+    if start == 0 and lines:
+        n = 1
+        while path.with_name(f"{path.name}.{n}").exists():
+            n += 1
+        path.rename(path.with_name(f"{path.name}.{n}"))
+        lines = []
+    path.write_text("".join(x + "\n" for x in lines if json.loads(x)["step"] <= start))
     return open(path, "a")
 
 
@@ -193,18 +199,18 @@ def main(argv=None) -> dict | None:
 
     if args.local_devices is not None:
         jax.config.update("jax_num_cpu_devices", args.local_devices)
-    try:
-        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    except ValueError as e:
-        raise SystemExit(f"r3jax train: error: {e}") from e
     if args.compilation_cache is not None:  # every program, however small: restarts load them all
         Path(args.compilation_cache).mkdir(parents=True, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", str(args.compilation_cache))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    if args.write_example_data is not None:
+    if args.write_example_data is not None:  # a single-process utility: joins no job
         print(f"r3jax train: wrote {write_example_data(args)}", flush=True)
         return None
+    try:
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    except ValueError as e:
+        raise SystemExit(f"r3jax train: error: {e}") from e
     try:
         return train(args)
     except (CheckpointMismatchError, CheckpointWriteError, ValueError) as e:

@@ -36,21 +36,25 @@ def free_port() -> int:
 class LocalJob:
     """``python -m r3jax train *argv`` as ``num_processes`` processes joined through a coordinator on
     127.0.0.1 (``num_processes=1`` too: one process in a 1-process job, with the same gloo
-    collectives as several). Started on construction; :meth:`wait` collects it, :meth:`kill` stops
+    collectives as several; ``distributed=False`` runs one plain process instead, with XLA's
+    in-process collectives). Started on construction; :meth:`wait` collects it, :meth:`kill` stops
     whatever still runs (also on exit from a ``with`` block), so no process outlives its owner.
     """
 
     def __init__(self, num_processes: int, argv: Sequence[str], *, devices_per_process: int,
-                 env: dict | None = None, cwd: str | None = None):
+                 env: dict | None = None, cwd: str | None = None, distributed: bool = True):
+        if not distributed and num_processes != 1:
+            raise ValueError(f"distributed=False with num_processes={num_processes}: expected 1 process")
         port = free_port()
         self.num_processes = num_processes
         self.procs: list[subprocess.Popen] = []
         self.logs = []
         try:
             for i in range(num_processes):
-                cmd = [sys.executable, "-m", "r3jax", "train", *argv, "--local-devices", str(devices_per_process),
-                       "--num-processes", str(num_processes), "--process-id", str(i),
-                       "--coordinator", f"127.0.0.1:{port}"]
+                cmd = [sys.executable, "-m", "r3jax", "train", *argv, "--local-devices", str(devices_per_process)]
+                if distributed:
+                    cmd += ["--num-processes", str(num_processes), "--process-id", str(i),
+                            "--coordinator", f"127.0.0.1:{port}"]
                 self.logs.append(tempfile.TemporaryFile("w+"))
                 self.procs.append(subprocess.Popen(cmd, stdout=self.logs[-1], stderr=subprocess.STDOUT,
                                                    env=dict(os.environ if env is None else env), cwd=cwd))
