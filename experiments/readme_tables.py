@@ -112,6 +112,10 @@ def tables() -> dict[str, str]:
                                               "unrolled_cpu_s", "scanned_cpu_s", "cpu_ratio"])
         out["BENCH_SCAN_DECODE"] = _t(d.get("decode", []), ["depth", "layout", "B", "S", "ms_per_step",
                                                             "scanned_over_unrolled"])
+    d = _load("bench_multiprocess")
+    if d:
+        out["BENCH_MULTIPROCESS"] = _t(d["results"], ["mesh", "B", "S", "one_ms", "one_gloo_ms", "two_ms",
+                                                      "ratio", "ratio_gloo"])
     d = _load("demo_summary")
     if d:
         cols = ["run", "seeds", "steps", "reward_first", "reward_last", "collapses", "k3_kl", "mean_abs_delta",
