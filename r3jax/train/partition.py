@@ -1,5 +1,6 @@
-"""Partition specs for the trainer: expert weights along ``expert``, everything else along ``fsdp``,
-batches along ``data`` x ``fsdp`` (r3jax.sharding); and the mesh helpers the train state uses."""
+"""Partition specs for the trainer: expert weights along ``expert`` (and their hidden dim along
+``fsdp``), everything else along ``fsdp``, batches along ``data`` x ``fsdp`` x ``expert``
+(r3jax.sharding); and the mesh helpers the train state uses."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from models.expert_parallel import expert_weight_spec
 from r3jax.sharding import AXES as MESH_AXES
 from r3jax.sharding import batch_multiple as batch_divisor  # noqa: F401 (re-exported)
 from r3jax.sharding import batch_sharding  # noqa: F401 (re-exported)
@@ -40,27 +42,41 @@ def _name(entry) -> str:
     return str(getattr(entry, "key", getattr(entry, "name", getattr(entry, "idx", entry))))
 
 
-def _is_expert_weight(path, leaf) -> bool:
-    names = [_name(p) for p in path]
-    names = [n for n in names if n != "value"]
-    return leaf.ndim == 3 and bool(names) and names[-1] in _EXPERT_PARAMS
+def _names(path) -> list[str]:
+    return [n for n in (_name(p) for p in path) if n != "value"]
 
 
-def param_spec(path, leaf, mesh: Mesh) -> P:
-    """PartitionSpec of one parameter. Expert tensors [E, ...] put E on ``expert`` and their largest
-    other dim on ``fsdp``; every other tensor puts its largest dim on ``fsdp``. A dim is only sharded
-    when the axis size divides it (otherwise it stays replicated, still correct)."""
+def _expert_parents(params) -> set[tuple[str, ...]]:
+    """Paths of the modules holding expert weights: those with a ``router`` beside their
+    gate/up/down projections (the MoE block; a dense or shared-expert MLP has no router)."""
+    paths = [tuple(_names(p)) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    return {p[:-1] for p in paths if p and p[-1] == "router"}
+
+
+def _is_expert_weight(path, leaf, expert_parents=None) -> bool:
+    """An MoE block's gate/up/down projection: ``[..., E, D, I]`` / ``[..., E, I, D]`` (leading dims,
+    such as a stacked layer dim, are allowed). Without ``expert_parents`` (the modules that hold a
+    router, from :func:`_expert_parents`) any 3-d gate/up/down projection counts."""
+    names = _names(path)
+    if not names or names[-1] not in _EXPERT_PARAMS or leaf.ndim < 3:
+        return False
+    return leaf.ndim == 3 if expert_parents is None else tuple(names[:-1]) in expert_parents
+
+
+def param_spec(path, leaf, mesh: Mesh, *, expert_parents=None) -> P:
+    """PartitionSpec of one parameter. Expert tensors (gate/up ``[E, D, I]``, down ``[E, I, D]``,
+    any leading dims replicated) put E on ``expert`` and their hidden dim I on ``fsdp``
+    (:func:`models.expert_parallel.expert_weight_spec`: the layout the expert-parallel MoE layer
+    runs on without moving weights); every other tensor puts its largest dim on ``fsdp``. A dim is
+    only sharded when the axis size divides it (otherwise it stays replicated, still correct)."""
     shape = tuple(leaf.shape)
-    spec: list = [None] * len(shape)
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
-    free = list(range(len(shape)))
-    if _is_expert_weight(path, leaf) and shape[0] % sizes["expert"] == 0 and sizes["expert"] > 1:
-        spec[0] = "expert"
-        free.remove(0)
-    elif _is_expert_weight(path, leaf):
-        free.remove(0)  # the expert dim never goes on fsdp: experts are sharded by "expert" only
+    if _is_expert_weight(path, leaf, expert_parents):
+        tail = expert_weight_spec(_names(path)[-1], shape, sizes)
+        return P(*([None] * (len(shape) - 3)), *tail)
+    spec: list = [None] * len(shape)
     if sizes["fsdp"] > 1:
-        for d in sorted(free, key=lambda i: -shape[i]):
+        for d in sorted(range(len(shape)), key=lambda i: -shape[i]):
             if shape[d] % sizes["fsdp"] == 0:
                 spec[d] = "fsdp"
                 break
@@ -69,8 +85,9 @@ def param_spec(path, leaf, mesh: Mesh) -> P:
 
 def param_shardings(params, mesh: Mesh):
     """NamedSharding for every leaf of a params pytree (an ``nnx.State`` keeps its structure)."""
-    return jax.tree_util.tree_map_with_path(lambda p, x: NamedSharding(mesh, param_spec(p, x, mesh)),
-                                            params)
+    parents = _expert_parents(params)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: NamedSharding(mesh, param_spec(p, x, mesh, expert_parents=parents)), params)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
