@@ -56,11 +56,11 @@ def test_shard_batch_specs_shards_and_round_trip(num_experts, dtype):
                    batch_multiple=batch_multiple(mesh))
     assert host.tokens.shape == (8, 8)
     dev = shard_batch(host, mesh)
-    assert batch_sharding(mesh) == NamedSharding(mesh, P(("data", "fsdp")))
+    assert batch_sharding(mesh) == NamedSharding(mesh, P(("data", "fsdp", "expert")))
     for (path, leaf), want in zip(jax.tree_util.tree_leaves_with_path(dev), jax.tree_util.tree_leaves(host)):
         name = jax.tree_util.keystr(path)
         assert isinstance(leaf, jax.Array), name
-        assert leaf.sharding.spec == P(("data", "fsdp")), name
+        assert leaf.sharding.spec == P(("data", "fsdp", "expert")), name
         assert leaf.dtype == want.dtype, name
         shards = leaf.addressable_shards
         assert len(shards) == 8 and {s.data.shape for s in shards} == {(1,) + want.shape[1:]}, name
@@ -75,6 +75,15 @@ def test_shard_batch_refuses_batch_not_divisible():
     mesh = make_mesh(data=4, fsdp=2)
     host = collate(_trajs(8), buckets=(8,), num_experts=8, top_k=K, num_layers=L)  # B = 5
     with pytest.raises(ValueError, match=r"batch.tokens shape=\(5, 8\): expected a leading batch dim "
-                                         r"that is a multiple of data x fsdp = 8 "
+                                         r"that is a multiple of data x fsdp x expert = 8 "
                                          r"\(collate\(..., batch_multiple=8\)\)"):
         shard_batch(host, mesh)
+
+
+def test_batch_is_split_over_the_expert_axis_too():
+    mesh = make_mesh(data=2, expert=4)
+    assert batch_multiple(mesh) == 8
+    x = shard_batch({"x": np.arange(16).reshape(8, 2)}, mesh)["x"]
+    assert sorted(s.index[0].start for s in x.addressable_shards) == list(range(8))
+    with pytest.raises(ValueError, match=r"multiple of data x fsdp x expert = 8"):
+        shard_batch({"x": np.zeros((4, 2))}, mesh)
