@@ -9,24 +9,23 @@ each device its own tokens; (data 2, expert 4) and (expert 8): expert-parallel; 
 compile the same step with the MoE layers left to XLA's partitioner (models.expert_parallel.plan
 patched to None: what main did, except for the batch and expert layouts of this branch).
 
-Wall time: median of interleaved step times on each mesh, and the ratio to (data 8) with its
-replicated experts. The 8 devices share this machine's few cores (2 here, loaded by other jobs):
-the wall times say little about a real multi-chip speedup; the cost-analysis ratios are
-deterministic.
+Wall time (default kernel): median of interleaved step times on each mesh, and the ratio to
+(data 8), whose experts are replicated (each device runs every expert on its own tokens). The 8
+devices share this machine's few cores (2 here, loaded by other jobs): the wall times say little
+about a real multi-chip speedup; the cost-analysis ratios are deterministic.
 
-    python experiments/bench_ep.py [--quick]
+    python -m experiments.bench_ep [--quick] [--kernels ragged,dense] [--no-wall]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
+# 8 simulated devices, set before JAX starts (run as a script: nothing imported JAX yet)
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -125,9 +124,9 @@ def main():
                 rows.append(dict(kernel=kernel, mesh=name, layer="shard_map" if ep else "partitioner",
                                  flops=f, bytes=b, flops_ratio=f / f1, bytes_ratio=b / b1))
                 if kernel == "ragged" and (ep or name == "data2_expert4"):
-                    walls[f"{name} {'EP' if ep else 'partitioner'}"] = (c, state, placed)
+                    walls[f"{name} {'shard_map' if ep else 'partitioner'}"] = (c, state, placed)
     wall = {} if args.no_wall else step_times(walls, args.reps)
-    base = wall.get("data8 EP", 1.0)
+    base = wall.get("data8 shard_map", 1.0)  # experts replicated: each device all experts, own tokens
     wall_rows = [dict(run=k, step_s=v, vs_data8_replicated=v / base) for k, v in wall.items()]
     print(f"tiny model (E={cfg.num_experts}, K={cfg.top_k}, D={cfg.hidden_size}, "
           f"I={cfg.moe_intermediate_size}), batch [{args.batch}, {args.seq}], replay, 8 CPU devices")

@@ -1,6 +1,7 @@
-"""Partition specs for the trainer: expert weights along ``expert`` (and their hidden dim along
-``fsdp``), everything else along ``fsdp``, batches along ``data`` x ``fsdp`` x ``expert``
-(r3jax.sharding); and the mesh helpers the train state uses."""
+"""Partition specs for the trainer: expert weights along ``expert`` x ``fsdp`` (the layout the
+expert-parallel MoE layer runs on, models/expert_parallel.py), everything else along ``fsdp``,
+batches along ``data`` x ``fsdp`` x ``expert`` (r3jax.sharding); and the mesh helpers the train
+state uses."""
 
 from __future__ import annotations
 
@@ -65,10 +66,12 @@ def _is_expert_weight(path, leaf, expert_parents=None) -> bool:
 
 def param_spec(path, leaf, mesh: Mesh, *, expert_parents=None) -> P:
     """PartitionSpec of one parameter. Expert tensors (gate/up ``[E, D, I]``, down ``[E, I, D]``,
-    any leading dims replicated) put E on ``expert`` and their hidden dim I on ``fsdp``
-    (:func:`models.expert_parallel.expert_weight_spec`: the layout the expert-parallel MoE layer
-    runs on without moving weights); every other tensor puts its largest dim on ``fsdp``. A dim is
-    only sharded when the axis size divides it (otherwise it stays replicated, still correct)."""
+    any leading dims replicated) follow :func:`models.expert_parallel.expert_weight_spec`: E on
+    ``expert`` x ``fsdp`` (else E on ``expert``, I on ``fsdp``), the layout the expert-parallel MoE
+    layer runs on without moving weights; every other tensor puts its largest dim on ``fsdp``. A
+    dim is only sharded when the axis size divides it (otherwise it stays replicated, still
+    correct). ``expert_parents``: the module paths holding a router (:func:`param_shardings`
+    passes them, so that stacked dense MLPs ``[L, D, I]`` are not taken for experts)."""
     shape = tuple(leaf.shape)
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
     if _is_expert_weight(path, leaf, expert_parents):

@@ -81,3 +81,19 @@ def test_replicated_state_does_not_alias_the_model(tiny, tx):
     shared = [jax.tree_util.keystr(path) for path, x in jax.tree_util.tree_leaves_with_path(s8.params)
               if any(s.data.unsafe_buffer_pointer() in own for s in x.addressable_shards)]
     assert not shared, shared
+
+
+def test_expert_specs_survive_a_stacked_layer_dim():
+    """Scanned layers stack parameters as [L, ...]: experts are found by their router sibling and
+    split on their trailing [E, D, I] dims; a stacked dense MLP [L, D, I] is not an expert."""
+    L, E, D, I = 3, 8, 16, 12
+    params = {"moe_layers": {"mlp": {"router": np.zeros((L, D, E)), "gate_proj": np.zeros((L, E, D, I)),
+                                     "up_proj": np.zeros((L, E, D, I)), "down_proj": np.zeros((L, E, I, D)),
+                                     "shared": {"gate_proj": np.zeros((L, D, I))}}},
+              "dense_layers": {"mlp": {"gate_proj": np.zeros((L, D, 4 * D)), "down_proj": np.zeros((L, 4 * D, D))}}}
+    sh = train.param_shardings(params, make_mesh(1, 2, 4))
+    moe = sh["moe_layers"]["mlp"]
+    assert moe["gate_proj"].spec == moe["up_proj"].spec == moe["down_proj"].spec == P(None, ("expert", "fsdp"), None, None)
+    assert moe["shared"]["gate_proj"].spec == P(None, "fsdp", None)  # largest dim D=16 on fsdp
+    assert sh["dense_layers"]["mlp"]["gate_proj"].spec == P(None, None, "fsdp")
+    assert sh["dense_layers"]["mlp"]["down_proj"].spec == P(None, "fsdp", None)
