@@ -40,7 +40,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 
 BATCH_AXES = ("data", "fsdp", "expert")  # tokens are split over all of these (in mesh order)
 EXPERT_AXIS = "expert"  # experts [E, ...] split here ...
@@ -88,9 +88,10 @@ class Plan:
 
 def plan(num_tokens: int, num_experts: int, intermediate: int) -> Plan | None:
     """The :class:`Plan` for the ambient mesh, or None (no mesh, one device, an axis outside
-    :data:`BATCH_AXES` with size > 1, or ``num_tokens`` not divisible by the device count)."""
+    :data:`BATCH_AXES` with size > 1, an axis that is not ``Auto`` (e.g. already manual inside a
+    caller's shard_map), or ``num_tokens`` not divisible by the device count)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    if mesh.empty or any(t != AxisType.Auto for t in mesh.axis_types):
         return None
     sizes = dict(mesh.shape)
     if math.prod(sizes.values()) == 1 or any(n > 1 for a, n in sizes.items() if a not in BATCH_AXES):

@@ -121,6 +121,8 @@ def test_plan_needs_a_trainer_mesh_and_divisible_shapes():
     other = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     with jax.set_mesh(other):
         assert expert_parallel.plan(64, 8, 32) is None  # a tensor axis: left to the partitioner
+    with jax.set_mesh(make_mesh(2, 1, 4, axis_type=jax.sharding.AxisType.Explicit)):
+        assert expert_parallel.plan(64, 8, 32) is None  # Explicit axes: not the trainer's meshes
 
 
 def test_expert_weight_spec_trailing_dims():
