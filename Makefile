@@ -3,13 +3,23 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean bench
+.PHONY: demo test venv clean bench skyrl-client
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[dev,serve,parity]'
+	$(VENV)/bin/pip install -q -e '.[dev,serve,parity,peers]'
+	$(MAKE) --no-print-directory skyrl-client
 	touch $(STAMP)
+
+# SkyRL 0.4.0's own client for tests/r3jax/serve/test_skyrl_client.py. Its wheel says Python >= 3.12,
+# so it is downloaded (not installed) and unpacked; the test imports only its client modules. Offline,
+# the download fails and that test skips, saying why.
+SKYRL_DIR := $(VENV)/peers/skyrl-0.4.0
+skyrl-client:
+	test -d $(SKYRL_DIR) || { $(VENV)/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	    skyrl==0.4.0 -d $(VENV)/peers && $(VENV)/bin/python -m zipfile -e $(VENV)/peers/skyrl-0.4.0-py3-none-any.whl \
+	    $(SKYRL_DIR); } || echo "skyrl 0.4.0 wheel not fetched: its client test will skip"
 
 venv: $(STAMP)
 
@@ -21,7 +31,7 @@ demo: $(STAMP)
 
 # Every experiment script (tables on stdout, JSON/PNG under experiments/results/). Slow on CPU.
 bench: $(STAMP)
-	for m in bench_model bench_trace bench_decode bench_serve transfer_cost replay_mismatch; do \
+	for m in bench_model bench_trace bench_decode bench_serve transfer_cost replay_mismatch bench_scan bench_multiprocess; do \
 	  $(VENV)/bin/python -m experiments.$$m $(BENCH_ARGS) || exit 1; done
 
 clean:

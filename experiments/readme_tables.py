@@ -89,6 +89,37 @@ def tables() -> dict[str, str]:
                                     "programs.\n\n" + _t(d.get("timing", []), [
                                         "config", "tokens", "step_s_live", "step_s_replay", "replay_step_ratio",
                                         "ratio_of_min", "xla_flops_ratio", "xla_bytes_ratio", "reps"]))
+    d = _load("interop")
+    if d:
+        out["INTEROP_CODEC"] = _t(d["codec"], ["model", "protocol", "raw_B_row", "route_B_row", "over_raw",
+                                               "route_B_row_vs_r3jax", "encode_us_row", "encode_us_row_vs_r3jax",
+                                               "decode_us_row", "decode_us_row_vs_r3jax"])
+        out["INTEROP_HTTP"] = _t(d["http"], ["protocol", "requests", "concurrency", "req_s", "req_s_vs_r3jax"])
+    d = _load("replay_rl")
+    if d and d.get("complete"):
+        rows = [{"arm": arm, "seeds": a["seeds"],
+                 "final_reward": f"{a['final_reward_mean']:.3f} ± {a['final_reward_ci95']:.3f}",
+                 "collapses": a["collapses"], "k3_kl median / p99": f"{a['k3_kl_median']:.2g} / {a['k3_kl_p99']:.2g}",
+                 "mean_abs_delta median / p99": f"{a['mean_abs_delta_median']:.3g} / {a['mean_abs_delta_p99']:.3g}",
+                 "clip_fraction": a["clip_fraction"], "grad_norm": a["grad_norm"],
+                 "live_routing_disagreement": a["live_routing_disagreement"]} for arm, a in d["arms"].items()]
+        paired = [{"precision": c["precision"], "comparison": c["comparison"], "seeds": c["seeds"],
+                   "final reward, arm − none": f"{c['final_reward_diff']:+.4f} ± {c['ci95']:.4f}: {c['verdict']}",
+                   "mean k3 KL, arm ÷ none": f"×{c['k3_ratio']:.2f} [{c['k3_ratio_ci95'][0]:.2f}, "
+                                             f"{c['k3_ratio_ci95'][1]:.2f}]: {c['k3_verdict']}",
+                   "mean abs Δ, arm − none": f"{c['abs_delta_diff']:+.2e} ± {c['abs_delta_ci95']:.1e}: "
+                                             f"{c['abs_delta_verdict']}"} for c in d["comparisons"]]
+        out["REPLAY_RL"] = _t(rows, list(rows[0])) + "\n\n" + _t(paired, list(paired[0]))
+    d = _load("bench_scan")
+    if d:
+        out["BENCH_SCAN"] = _t(d["summary"], ["depth", "layout", "unrolled_compile_s", "scanned_compile_s", "ratio",
+                                              "unrolled_cpu_s", "scanned_cpu_s", "cpu_ratio"])
+        out["BENCH_SCAN_DECODE"] = _t(d.get("decode", []), ["depth", "layout", "B", "S", "ms_per_step",
+                                                            "scanned_over_unrolled"])
+    d = _load("bench_multiprocess")
+    if d:
+        out["BENCH_MULTIPROCESS"] = _t(d["results"], ["mesh", "B", "S", "one_ms", "one_gloo_ms", "two_ms",
+                                                      "ratio", "ratio_gloo"])
     d = _load("demo_summary")
     if d:
         cols = ["run", "seeds", "steps", "reward_first", "reward_last", "collapses", "k3_kl", "mean_abs_delta",

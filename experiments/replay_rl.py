@@ -43,7 +43,7 @@ from r3jax import metrics as mm
 from r3jax.batch import collate
 from r3jax.demo.rollouts import make_loop
 from r3jax.demo.run import adam, warm_start
-from r3jax.params_io import params_of
+from r3jax.params_io import weights_of
 from r3jax.sharding import batch_multiple, make_mesh, shard_batch
 from r3jax.train import LossConfig, group_advantages, init_train_state, ppo_update, push_to_engine
 
@@ -56,6 +56,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke test: 2 seeds, 3 steps, small batches")
     ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--summarize", action="store_true",
+                    help="recompute the summary, comparisons and plot of the stored run (no training)")
     ap.add_argument("--steps", type=int, default=20, help="RL steps per run")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--samples", type=int, default=4)
@@ -94,7 +96,7 @@ def build_model(args):
 
 
 def _sync(engine, state, precision, quantize_router):
-    params = params_of(state)
+    params = weights_of(state)  # Params and router biases
     return push_to_engine(engine, quantize_int8(params, quantize_router=quantize_router)
                           if precision == "int8" else params)
 
@@ -160,11 +162,25 @@ def summarize(runs: dict, steps: int) -> dict:
     return arms
 
 
+def _verdict(mode: str, lo: float, hi: float, higher: str, lower: str,
+             neutral: str = "no measurable difference (CI includes 0)") -> str:
+    if np.isnan(lo) or np.isnan(hi):
+        return "one seed: no conclusion"
+    return higher if lo > 0 else lower if hi < 0 else neutral
+
+
 def comparisons(runs: dict, steps: int) -> list[dict]:
-    """Paired (same seed) differences of the final reward, R2 − none and R3 − none, per precision,
-    with a plain verdict: only a 95% CI that excludes 0 counts as a measured difference."""
+    """Paired (same seed) comparisons, R2 vs none and R3 vs none, per precision, with a plain verdict
+    (only a 95% CI that excludes no-effect counts as a measured difference):
+
+    - ``final_reward_diff``: final reward (mean over the last quarter of steps), arm − none;
+    - ``k3_ratio``: mean k3 KL over steps, arm ÷ none, as the geometric mean over seeds of the per-seed
+      ratios with its CI (ratios of a heavy-tailed metric: averaged in log space);
+    - ``abs_delta_diff``: mean |Δ logprob| over steps, arm − none.
+    """
     tail = max(1, steps // 4)
     final = lambda rs: float(np.mean([r["reward"] for r in rs[-tail:]]))
+    mean_of = lambda rs, k: float(np.mean([r[k] for r in rs]))
     out = []
     for prec in PRECISIONS:
         base = runs.get(f"none/{prec}", {})
@@ -173,13 +189,19 @@ def comparisons(runs: dict, steps: int) -> list[dict]:
             seeds = sorted(set(base) & set(arm))
             if not seeds:
                 continue
-            d = [final(arm[s]) - final(base[s]) for s in seeds]
-            m, h = mm.mean_ci95(d)
-            verdict = ("one seed: no conclusion" if np.isnan(h) else
-                       f"{mode} higher" if m - h > 0 else f"{mode} lower" if m + h < 0 else
-                       "no measurable difference (CI includes 0)")
-            out.append({"precision": prec, "comparison": f"{mode} - none", "final_reward_diff": m,
-                        "ci95": h, "seeds": len(seeds), "verdict": verdict})
+            m, h = mm.mean_ci95([final(arm[s]) - final(base[s]) for s in seeds])
+            lk, lh = mm.mean_ci95([np.log(mean_of(arm[s], "k3_kl") / mean_of(base[s], "k3_kl")) for s in seeds])
+            dm, dh = mm.mean_ci95([mean_of(arm[s], "mean_abs_delta") - mean_of(base[s], "mean_abs_delta")
+                                   for s in seeds])
+            out.append({"precision": prec, "comparison": f"{mode} - none", "seeds": len(seeds),
+                        "final_reward_diff": m, "ci95": h,
+                        "verdict": _verdict(mode, m - h, m + h, f"{mode} higher", f"{mode} lower"),
+                        "k3_ratio": float(np.exp(lk)), "k3_ratio_ci95": [float(np.exp(lk - lh)), float(np.exp(lk + lh))],
+                        "k3_verdict": _verdict(mode, lk - lh, lk + lh, f"{mode} higher k3 KL", f"{mode} lower k3 KL",
+                                               "no measurable difference (CI includes 1)"),
+                        "abs_delta_diff": dm, "abs_delta_ci95": dh,
+                        "abs_delta_verdict": _verdict(mode, dm - dh, dm + dh, f"{mode} higher mean abs Δ",
+                                                      f"{mode} lower mean abs Δ")})
     return out
 
 
@@ -251,8 +273,28 @@ def write_results(args, cfg, runs, t0, *, seeds_done: int, quiet: bool) -> dict:
     return result
 
 
+def resummarize(path: Path) -> dict:
+    """Recompute ``arms``, ``comparisons`` and the plot from the per-step records a run stored (no
+    training): for summary statistics added after the run."""
+    result = json.loads(path.read_text())
+    runs = {arm: {int(s): rs for s, rs in per.items()} for arm, per in result["runs"].items()}
+    steps = result["settings"]["steps"]
+    result["arms"], result["comparisons"] = summarize(runs, steps), comparisons(runs, steps)
+    path.write_text(json.dumps(result, indent=1))
+    plot(runs, path.with_suffix(".png"))
+    print(table(result["arms"]))
+    for c in result["comparisons"]:
+        print(f"{c['precision']}: {c['comparison']}: final reward {c['final_reward_diff']:+.4f} ± {c['ci95']:.4f} "
+              f"({c['verdict']}); k3 KL x{c['k3_ratio']:.2f} [{c['k3_ratio_ci95'][0]:.2f}, "
+              f"{c['k3_ratio_ci95'][1]:.2f}] ({c['k3_verdict']}); |Δ| {c['abs_delta_diff']:+.2e} ± "
+              f"{c['abs_delta_ci95']:.1e} ({c['abs_delta_verdict']})")
+    return result
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.summarize:
+        return resummarize(RESULTS / ("replay_rl_quick.json" if args.quick else "replay_rl.json"))
     from r3jax.engine import Engine
     import jax.numpy as jnp
 

@@ -1,5 +1,6 @@
-"""HTTP serving: the FastAPI app around the engine (``create_app``), its command line
-(``python -m r3jax serve``) and ``RemoteInferenceClient``, which has the engine's ``generate``.
+"""HTTP serving: the FastAPI app around the engine (``create_app``: r3jax's ``/v1/generate`` and the
+SkyRL / vLLM / SGLang endpoints), its command line (``python -m r3jax serve``) and
+``RemoteInferenceClient``, which has the engine's ``generate`` in any of those protocols.
 
 Imports are lazy so the client works without FastAPI/uvicorn installed.
 """

@@ -13,6 +13,10 @@ Endpoints::
                         (``routes``: gather_s, encode_s, rows, bytes, responses) and the engine's stats
     GET  /openapi.json  the schema (no auth)
 
+The peers' forms on the same engine (:mod:`r3jax.serve.peer_app`): SkyRL ``POST /skyrl/v1/generate``
+and ``/inference/v1/generate``, vLLM ``POST /v1/completions`` and ``GET /v1/models``, SGLang
+``POST /generate``, and ``/tokenize``, ``/detokenize``, ``/finish_session``.
+
 **Binary routes.** A client that sends ``Accept: application/vnd.r3jax.generate+binary`` (the
 :data:`BINARY_MEDIA_TYPE`) to ``/v1/generate`` gets a body of
 ``u32 little-endian n | n bytes of the JSON response | the r3jax.routes.encode_binary frame``; the
@@ -30,28 +34,27 @@ A client that disconnects cancels its request (its decode slot is freed at once)
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import hmac
 import json
 import logging
 import struct
 import threading
-import time
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from r3jax.checks import FieldError
-from r3jax.engine.errors import EngineAborted
 from r3jax.serve import schema
-from r3jax.serve.batcher import EngineBridge, ShuttingDown
+from r3jax.serve.batcher import EngineBridge
+from r3jax.serve.dispatch import Disconnected, ServeContext, Unavailable
+from r3jax.serve.peer_app import add_peer_endpoints
 from r3jax.serve.protocol import BINARY_MEDIA_TYPE
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
-MAX_SESSIONS = 1024
-OFFLOAD_BYTES = 256 << 10  # responses with more route bytes are encoded in a worker thread
+RETRY_AFTER = {"Retry-After": "1"}
+OPEN_PATHS = frozenset({"/health", "/openapi.json"})  # liveness and the schema need no token
 log = logging.getLogger("r3jax.serve")
 
 
@@ -66,7 +69,8 @@ def _error(err: schema.InputError) -> Response:
 
 
 class Guard:
-    """ASGI middleware: bearer-token check on ``/v1/*`` (when a token is set), then the body buffered
+    """ASGI middleware: bearer-token check on every path but ``OPEN_PATHS`` (when a token is set:
+    r3jax's ``/v1/*`` and every peer endpoint), then the body buffered
     up to ``limit`` bytes (413 beyond it, by ``Content-Length`` or by counting a streamed body), so
     the app never holds more than ``limit`` bytes of one request."""
 
@@ -77,7 +81,7 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.token is not None and scope["path"].startswith("/v1/"):
+        if self.token is not None and scope["path"] not in OPEN_PATHS:
             # compare_digest: the time taken does not depend on how much of the token matched
             if not hmac.compare_digest(headers.get(b"authorization", b""), self.token):
                 body = {"error": "unauthorized", "field": "Authorization",
@@ -112,26 +116,18 @@ class Guard:
         await self.app(scope, replay, send)
 
 
-def _response(out, layers: list[int], binary: bool, route_stats: dict | None = None) -> Response:
-    t0 = time.perf_counter()
+def _response(out, layers: list[int], binary: bool) -> tuple[Response, int]:
+    """The ``/v1/generate`` answer for ``out`` and its route bytes on the wire."""
     obj, frame = schema.output_json(out, layers, binary_routes=binary)
     if not binary:
-        resp = _json(obj)
         wire = len(obj["routed_experts"]["data"]) if obj.get("routed_experts") else 0
-    else:
-        head = json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
-        resp = Response(struct.pack("<I", len(head)) + head + frame, media_type=BINARY_MEDIA_TYPE)
-        wire = len(frame)
-    if route_stats is not None and out.routed_experts is not None:
-        route_stats["encode_s"] += time.perf_counter() - t0
-        route_stats["rows"] += int(out.routed_experts.shape[0])
-        route_stats["bytes"] += wire
-        route_stats["responses"] += 1
-    return resp
+        return _json(obj), wire
+    head = json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
+    return Response(struct.pack("<I", len(head)) + head + frame, media_type=BINARY_MEDIA_TYPE), len(frame)
 
 
 def _unavailable(detail: str, error: str = "unavailable") -> Response:
-    return _json({"error": error, "retryable": True, "detail": detail}, 503, {"Retry-After": "1"})
+    return _json({"error": error, "retryable": True, "detail": detail}, 503, RETRY_AFTER)
 
 
 # GenerateRequest fields that live under "sampling_params" in the HTTP body
@@ -161,7 +157,9 @@ def _jsonable(obj: Any) -> Any:
 
 def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                max_batch_size: int | None = None, max_wait_s: float | None = None, max_queue: int = 4096,
-               load_weights: Callable[[str, str, Any], Any] | None = None, warmup: bool = True) -> FastAPI:
+               load_weights: Callable[[str, str, Any], Any] | None = None, warmup: bool = True,
+               served_model_name: str = "r3jax", tokenizer: Any = None,
+               return_routed_experts_default: bool = False) -> FastAPI:
     """The ASGI app serving ``engine``.
 
     Requests go straight to the engine's continuous-batching scheduler (``engine.submit``).
@@ -171,6 +169,8 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
     load_weights: ``(path, format, engine) -> params state`` for ``POST /v1/weights`` (default
     :func:`r3jax.serve.weights.load_state`); it runs in a worker thread while generation continues.
     max_batch_size / max_wait_s: accepted for compatibility and ignored (the engine's slots batch).
+    served_model_name, tokenizer, return_routed_experts_default: for the peers' endpoints
+    (:func:`r3jax.serve.peer_app.add_peer_endpoints`: SkyRL, vLLM, SGLang forms on the same engine).
     """
     if load_weights is None:
         from r3jax.serve.weights import load_state as load_weights
@@ -178,9 +178,8 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
     limits = schema.Limits(vocab_size=engine.config.vocab_size, max_seq_len=int(engine.max_seq_len))
     layers = list(engine.moe_layer_ids)
     weights_lock = asyncio.Lock()
-    sessions: collections.OrderedDict[str, int] = collections.OrderedDict()  # requests per session_id
     token = None if api_key is None else f"Bearer {api_key}".encode()
-    route_stats = {"encode_s": 0.0, "rows": 0, "bytes": 0, "responses": 0}
+    ctx = ServeContext(engine, bridge)
     ready = threading.Event()
     warm: dict[str, Any] = {}
 
@@ -231,8 +230,8 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
         eng = _jsonable(dict(getattr(engine, "stats", {}) or {}))
         return {**bridge.stats, "in_flight": bridge.in_flight, "queued": bridge.queued,
                 "batches": eng.get("decode_calls", 0), "max_batch": eng.get("max_live_slots", 0),
-                "sessions": dict(sessions), "warmup": warm,
-                "routes": {"gather_s": float(eng.get("route_gather_s", 0.0)), **route_stats},
+                "sessions": dict(ctx.sessions), "warmup": warm, "protocols": dict(ctx.protocols),
+                "routes": {"gather_s": float(eng.get("route_gather_s", 0.0)), **ctx.route_stats},
                 "engine": eng}
 
     @app.post("/v1/generate", responses={200: {"model": schema.GenerateResponse},
@@ -242,32 +241,16 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
     async def generate(request: Request):
         body = schema.parse_json(await request.body(), schema.GenerateBody)
         req = schema.to_request(body, limits)
-        if req.session_id is not None:  # the last MAX_SESSIONS sessions, for load reports and tests
-            sessions[req.session_id] = sessions.pop(req.session_id, 0) + 1
-            if len(sessions) > MAX_SESSIONS:
-                sessions.popitem(last=False)
-        task = asyncio.ensure_future(bridge.submit(req))
-        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not task.done():  # the client went away: cancel, which frees the request's slot
-            task.cancel()
+            out = await ctx.generate(request, req)
+        except Disconnected:
             return Response(status_code=499)
-        try:
-            out = task.result()
-        except ShuttingDown as e:  # also Overloaded: not started, so safe to retry
-            return _unavailable(str(e))
-        except EngineAborted as e:  # stopped by a weight update: nothing was returned, retry it
-            return _unavailable(str(e), "aborted")
+        except Unavailable as e:
+            return _unavailable(e.detail, e.kind)
         except FieldError as e:  # the engine refused it: still the client's input
             raise schema.InputError(_body_field(e.field), e.message) from None
         binary = BINARY_MEDIA_TYPE in request.headers.get("accept", "")
-        routes = out.routed_experts
-        if routes is not None and routes.nbytes > OFFLOAD_BYTES:  # base64 + JSON of MBs: off the loop
-            return await asyncio.to_thread(_response, out, layers, binary, route_stats)
-        return _response(out, layers, binary, route_stats)
+        return await ctx.render("r3jax", out, lambda: _response(out, layers, binary))
 
     @app.post("/v1/weights", openapi_extra=_body_schema("WeightsBody"))
     async def weights(request: Request):
@@ -291,16 +274,11 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
                 raise schema.InputError("path", f"path={body.path!r}: {e}") from None
         return {"weight_version": int(version)}
 
+    add_peer_endpoints(app, ctx, vocab_size=limits.vocab_size, max_seq_len=limits.max_seq_len,
+                       num_experts=engine.config.num_experts, served_model=served_model_name, tokenizer=tokenizer,
+                       routes_default=return_routed_experts_default)
     _register_body_schemas(app, schema.GenerateBody, schema.WeightsBody)
     return app
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns once the client has gone (the body is already read, so the next message is the disconnect)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def _body_schema(name: str) -> dict:

@@ -1,5 +1,6 @@
-"""Client-side codecs: a ``GenerateRequest`` as an HTTP body, and a response as a checked
-``GenerateOutput``, for the r3jax server (JSON or binary routes) and for SGLang's native ``/generate``.
+"""Client-side codecs of r3jax's own ``/v1/generate``: a ``GenerateRequest`` as an HTTP body, and a
+response (JSON or binary routes) as a checked ``GenerateOutput``. The peers' forms (SkyRL, vLLM,
+SGLang) are in :mod:`r3jax.serve.peers`; all share :class:`ProtocolError` and :class:`ServedModel`.
 
 Every decoded output is checked against the request before it is returned: G >= 1 tokens (at most
 max_tokens) in ``[0, V)``, G logprobs when asked for, and route rows obeying DESIGN.md §3 — exactly
@@ -72,19 +73,6 @@ def request_body(request) -> dict:
                                 "routed_experts_prompt_start": check_start(request)},
             "return_routed_experts": bool(request.return_routed_experts),
             "return_logprobs": bool(request.return_logprobs), "session_id": request.session_id}
-
-
-def sglang_body(request) -> dict:
-    """SGLang's native ``/generate`` body (``input_ids``; top_k -1 means off there)."""
-    sp = {"max_new_tokens": request.max_tokens, "temperature": float(request.temperature),
-          "top_p": float(request.top_p), "top_k": request.top_k if request.top_k > 0 else -1,
-          "stop_token_ids": _ints("stop_token_ids", request.stop_token_ids)}
-    if request.seed is not None:
-        sp["sampling_seed"] = request.seed
-    check_start(request)
-    return {"input_ids": _ints("prompt_ids", request.prompt_ids), "sampling_params": sp,
-            "return_logprob": bool(request.return_logprobs),
-            "return_routed_experts": bool(request.return_routed_experts)}
 
 
 def _field(obj: dict, key: str, kind, where: str):
@@ -174,52 +162,3 @@ def parse_response(content: bytes, media_type: str, request, info: ServedModel, 
     if not isinstance(obj, dict):
         raise ProtocolError(f"{where}: response is a JSON {type(obj).__name__}: expected an object")
     return _output(obj, routes, request, info, where)
-
-
-def parse_sglang(content: bytes, request, info: ServedModel, where: str):
-    """SGLang's ``/generate`` response → checked ``GenerateOutput``.
-
-    SGLang returns ``meta_info.routed_experts`` for the whole sequence (rows ``[0, P + G - 1)``, int32
-    base64); the client keeps rows ``[s, P + G - 1)`` so the output obeys the same contract."""
-    try:
-        obj = json.loads(content)
-        meta = obj["meta_info"]
-        ids = obj.get("output_ids")
-        if ids is None:
-            ids = [t[1] for t in meta["output_token_logprobs"]]
-        finish = meta["finish_reason"]
-        finish = finish.get("type") if isinstance(finish, dict) else finish
-        lps = meta.get("output_token_logprobs")
-        out = {"output_ids": ids, "finish_reason": finish,
-               "logprobs": None if lps is None else [t[0] for t in lps],
-               "prompt_tokens": _field(meta, "prompt_tokens", int, f"{where}: meta_info"),
-               "cached_tokens": _field(meta, "cached_tokens", int, f"{where}: meta_info"),
-               "weight_version": _sglang_version(meta, where)}
-        routes = None
-        if meta.get("routed_experts") is not None:
-            full = routes_lib.decode_sglang(meta["routed_experts"], len(info.moe_layer_ids), info.top_k,
-                                            info.num_experts)
-            p, g = len(request.prompt_ids), len(ids)
-            if full.shape[0] != p + g - 1:
-                raise ProtocolError(f"{where}: SGLang routed_experts has {full.shape[0]} rows: expected "
-                                    f"P + G - 1 = {p + g - 1}", "routed_experts")
-            s = int(request.routed_experts_prompt_start)
-            routes = (full[s:], s, None)
-    except ProtocolError:
-        raise
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        raise ProtocolError(f"{where}: not an SGLang /generate response ({type(e).__name__}: {e})",
-                            getattr(e, "field", None)) from None
-    return _output(out, routes, request, info, where)
-
-
-def _sglang_version(meta: dict, where: str) -> int:
-    """SGLang's ``meta_info.weight_version`` (a string there) as an int; missing or non-numeric is an
-    error, not version 0: the trainer compares versions to spot trajectories that span an update."""
-    version = meta.get("weight_version")
-    if checks.is_int(version) or (isinstance(version, str) and version.strip().lstrip("-").isdigit()):
-        return int(version)
-    state = "missing" if version is None else f"{version!r}"
-    raise ProtocolError(f"{where}: meta_info.weight_version is {state}: expected an integer version "
-                        "(start SGLang with --weight-version 0 and pass weight_version=N with each weight "
-                        "update)", "weight_version")

@@ -2,7 +2,8 @@
 
     python -m r3jax serve --model tiny --host 127.0.0.1 --port 8000 [--api-key KEY]
         [--max-batch-size 32] [--max-seq-len 256] [--seed 0] [--config PRESET|HF_DIR]
-        [--compilation-cache DIR] [--static]
+        [--compilation-cache DIR] [--static] [--tokenizer auto|byte|none|FILE] [--served-model-name NAME]
+        [--enable-return-routed-experts]
 
 ``--model``: a preset (``tiny``), a Hugging Face directory or an orbax params directory (see
 :mod:`r3jax.serve.weights`). Binds to loopback unless ``--host`` says otherwise. ``--port 0`` picks a
@@ -50,6 +51,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="admit a batch only when every slot is free (the old static batching; for benchmarks)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                     help="param and compute dtype (default: the checkpoint's / preset's)")
+    ap.add_argument("--served-model-name", default=None,
+                    help="the model name vLLM-style endpoints report and accept (default: --model)")
+    ap.add_argument("--tokenizer", default="auto",
+                    help="'byte' (r3jax.rollout.ByteTokenizer), a tokenizer.json path, 'none', or 'auto': "
+                         "byte for a preset with its 272-token vocabulary, the model directory's tokenizer.json "
+                         "if there is one, else none (text prompts and /tokenize are then a 400)")
+    ap.add_argument("--enable-return-routed-experts", action="store_true",
+                    help="vLLM's flag: /v1/completions returns routed experts unless a body says otherwise")
     ap.add_argument("--graceful-timeout", type=float, default=30.0)
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)
@@ -74,6 +83,41 @@ def build_engine(args: argparse.Namespace):
     return Engine(model, max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
                   prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)), decode_steps=args.decode_steps,
                   static=args.static)
+
+
+def build_tokenizer(spec: str, model: str, vocab_size: int):
+    """The server's tokenizer for ``--tokenizer`` (see ``--help``), or None."""
+    from pathlib import Path
+
+    from r3jax.rollout.tokenizer import ByteTokenizer
+
+    path = Path(model) / "tokenizer.json" if spec == "auto" else Path(spec)
+    if spec == "none":
+        return None
+    if spec == "byte" or (spec == "auto" and not Path(model).exists() and vocab_size == ByteTokenizer.vocab_size):
+        return ByteTokenizer()
+    if spec == "auto" and not path.is_file():
+        return None
+    if not path.is_file():
+        raise ValueError(f"--tokenizer={spec!r}: expected 'auto', 'byte', 'none' or a tokenizer.json file")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ValueError(f"--tokenizer={spec!r}: reading tokenizer.json needs the 'tokenizers' package") from None
+    return _HFText(Tokenizer.from_file(str(path)))
+
+
+class _HFText:
+    """A Hugging Face ``tokenizers.Tokenizer`` as the server's text codec (no special tokens added)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
 
 
 def use_compilation_cache(directory: str) -> None:
@@ -120,9 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     sys.setswitchinterval(0.0005)
     try:
         engine = build_engine(args)
+        tokenizer = build_tokenizer(args.tokenizer, args.model, engine.config.vocab_size)
     except (ValueError, FileNotFoundError) as e:  # a bad --model / --config: say so, no traceback
         raise SystemExit(f"python -m r3jax serve: {e}") from None
-    app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                     served_model_name=args.served_model_name or args.model, tokenizer=tokenizer,
+                     return_routed_experts_default=args.enable_return_routed_experts)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, restores these handlers and re-raises the
     # signal: exit 0 then, instead of dying by the signal after a clean shutdown.
     for sig in (signal.SIGTERM, signal.SIGINT):

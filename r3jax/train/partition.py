@@ -10,6 +10,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.expert_parallel import expert_weight_spec
+from models.stacking import is_stacked
 from r3jax.sharding import AXES as MESH_AXES
 from r3jax.sharding import batch_multiple as batch_divisor  # noqa: F401 (re-exported)
 from r3jax.sharding import batch_sharding  # noqa: F401 (re-exported)
@@ -43,43 +44,30 @@ def _name(entry) -> str:
     return str(getattr(entry, "key", getattr(entry, "name", getattr(entry, "idx", entry))))
 
 
-def _names(path) -> list[str]:
-    return [n for n in (_name(p) for p in path) if n != "value"]
+def _is_expert_weight(path, ndim: int) -> bool:
+    """ndim: of one layer's tensor (without a stacked layer axis)."""
+    names = [_name(p) for p in path]
+    names = [n for n in names if n != "value"]
+    return ndim == 3 and bool(names) and names[-1] in _EXPERT_PARAMS
 
 
-def _expert_parents(params) -> set[tuple[str, ...]]:
-    """Paths of the modules holding expert weights: those with a ``router`` beside their
-    gate/up/down projections (the MoE block; a dense or shared-expert MLP has no router)."""
-    paths = [tuple(_names(p)) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
-    return {p[:-1] for p in paths if p and p[-1] == "router"}
-
-
-def _is_expert_weight(path, leaf, expert_parents=None) -> bool:
-    """An MoE block's gate/up/down projection: ``[..., E, D, I]`` / ``[..., E, I, D]`` (leading dims,
-    such as a stacked layer dim, are allowed). Without ``expert_parents`` (the modules that hold a
-    router, from :func:`_expert_parents`) any 3-d gate/up/down projection counts."""
-    names = _names(path)
-    if not names or names[-1] not in _EXPERT_PARAMS or leaf.ndim < 3:
-        return False
-    return leaf.ndim == 3 if expert_parents is None else tuple(names[:-1]) in expert_parents
-
-
-def param_spec(path, leaf, mesh: Mesh, *, expert_parents=None) -> P:
-    """PartitionSpec of one parameter. Expert tensors (gate/up ``[E, D, I]``, down ``[E, I, D]``,
-    any leading dims replicated) follow :func:`models.expert_parallel.expert_weight_spec`: E on
-    ``expert`` x ``fsdp`` (else E on ``expert``, I on ``fsdp``), the layout the expert-parallel MoE
-    layer runs on without moving weights; every other tensor puts its largest dim on ``fsdp``. A
-    dim is only sharded when the axis size divides it (otherwise it stays replicated, still
-    correct). ``expert_parents``: the module paths holding a router (:func:`param_shardings`
-    passes them, so that stacked dense MLPs ``[L, D, I]`` are not taken for experts)."""
+def param_spec(path, leaf, mesh: Mesh) -> P:
+    """PartitionSpec of one parameter. Expert tensors (gate/up ``[E, D, I]``, down ``[E, I, D]``)
+    follow :func:`models.expert_parallel.expert_weight_spec`: E on ``expert`` x ``fsdp`` (else E on
+    ``expert``, I on ``fsdp``), the layout the expert-parallel MoE layer runs on without moving
+    weights; every other tensor puts its largest dim on ``fsdp``. A dim is only sharded when the
+    axis size divides it (otherwise it stays replicated, still correct). Stacked layers
+    (models/stacking.py) keep their leading layer axis unsharded (the scan slices it per layer) and
+    shard the rest as one layer's tensor."""
     shape = tuple(leaf.shape)
+    lead = 1 if is_stacked(path) else 0
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
-    if _is_expert_weight(path, leaf, expert_parents):
-        tail = expert_weight_spec(_names(path)[-1], shape, sizes)
-        return P(*([None] * (len(shape) - 3)), *tail)
+    if _is_expert_weight(path, len(shape) - lead):
+        names = [n for n in (_name(p) for p in path) if n != "value"]
+        return P(*([None] * lead), *expert_weight_spec(names[-1], shape, sizes))
     spec: list = [None] * len(shape)
     if sizes["fsdp"] > 1:
-        for d in sorted(range(len(shape)), key=lambda i: -shape[i]):
+        for d in sorted(range(lead, len(shape)), key=lambda i: -shape[i]):
             if shape[d] % sizes["fsdp"] == 0:
                 spec[d] = "fsdp"
                 break
@@ -88,9 +76,8 @@ def param_spec(path, leaf, mesh: Mesh, *, expert_parents=None) -> P:
 
 def param_shardings(params, mesh: Mesh):
     """NamedSharding for every leaf of a params pytree (an ``nnx.State`` keeps its structure)."""
-    parents = _expert_parents(params)
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: NamedSharding(mesh, param_spec(p, x, mesh, expert_parents=parents)), params)
+    return jax.tree_util.tree_map_with_path(lambda p, x: NamedSharding(mesh, param_spec(p, x, mesh)),
+                                            params)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

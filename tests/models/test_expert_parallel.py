@@ -61,7 +61,7 @@ def test_ep_forward_and_grads_equal_one_device(one_device, mesh_name, num_expert
     cfg, params, inputs, fn, ((loss1, out1), grads1) = one_device(num_experts)
     mesh = make_mesh(*MESHES[mesh_name])
     p8 = jax.device_put(params, param_shardings(params, mesh))
-    assert p8["layers"][1]["mlp"]["gate_proj"][...].addressable_shards[0].data.shape == shard
+    assert p8["moe_layers"]["mlp"]["gate_proj"][...].addressable_shards[0].data.shape == (1,) + shard  # [L=1, ...]
     x8 = jax.device_put(inputs, batch_sharding(mesh))
     with jax.set_mesh(mesh):
         assert expert_parallel.plan(B * T, cfg.num_experts, 32).exchange == exchange
@@ -76,8 +76,8 @@ def test_ep_forward_and_grads_equal_one_device(one_device, mesh_name, num_expert
     np.testing.assert_allclose(loss8, loss1, rtol=0, atol=1e-5)
     for (path, g1), g8 in zip(jax.tree_util.tree_leaves_with_path(grads1), jax.tree.leaves(grads8)):
         np.testing.assert_allclose(g8, g1, rtol=0, atol=1e-5, err_msg=jax.tree_util.keystr(path))
-    expert_grad = np.abs(grads1["layers"][1]["mlp"]["down_proj"][...]).max()
-    assert expert_grad > 1e-3 and np.abs(grads1["layers"][1]["mlp"]["router"][...]).max() > 1e-3
+    expert_grad = np.abs(grads1["moe_layers"]["mlp"]["down_proj"][...]).max()
+    assert expert_grad > 1e-3 and np.abs(grads1["moe_layers"]["mlp"]["router"][...]).max() > 1e-3
 
 
 @pytest.mark.parametrize("kernel,with_grad", [("ragged", True), ("dense", True), ("loop", False),

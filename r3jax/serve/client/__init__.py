@@ -1,12 +1,13 @@
-"""The HTTP client of r3jax servers (and SGLang's): :class:`RemoteInferenceClient` has the in-process
-``Engine``'s ``generate``. One concept per module:
+"""The HTTP client of r3jax servers (and of SkyRL's, vLLM's and SGLang's): :class:`RemoteInferenceClient`
+has the in-process ``Engine``'s ``generate``. One concept per module:
 
 - :mod:`.remote`: the client itself (sync and async API, stats);
 - :mod:`.retry`: the time-based retry budget, backoff with full jitter, Retry-After;
 - :mod:`.errors`: what each HTTP status means (retry, bad input, server fault);
 - :mod:`.replicas`: replica choice (rendezvous hashing for sessions, least loaded, dead ones skipped);
 - :mod:`.pool`: connections per event loop, and the private loop behind the sync API;
-- :mod:`.protocols`: the r3jax and SGLang dialects (codecs in :mod:`r3jax.serve.protocol`);
+- :mod:`.protocols`: the r3jax, SkyRL, vLLM and SGLang dialects (codecs in :mod:`r3jax.serve.protocol`
+  and :mod:`r3jax.serve.peers`);
 - :mod:`.stats`: the client's counters.
 """
 

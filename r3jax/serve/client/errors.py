@@ -71,6 +71,9 @@ def raise_for(r: httpx.Response, url: str) -> None:
     if status < 400:
         return
     body = _body(r)
+    error = body.get("error")
+    if isinstance(error, dict):  # the peers' shape: {"error": {"message", "param", ...}} (vLLM, SkyRL, SGLang)
+        body = {"detail": error.get("message") or "", "field": error.get("param")}
     detail = body.get("detail") or body.get("error") or ""
     if status in RETRY_STATUS:
         raise Retryable(f"{url}: HTTP {status}" + (f": {detail}" if detail else ""),

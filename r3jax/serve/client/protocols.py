@@ -1,59 +1,92 @@
 """Server dialects the client speaks: where a request goes, how it is encoded, how the answer is read.
 
-The codecs themselves (bodies, response parsing, the row-rule checks) live in
-:mod:`r3jax.serve.protocol`; this module only binds each dialect to its endpoint, headers and codec,
-and measures the route bytes of an answer for :mod:`~r3jax.serve.client.stats`.
+The codecs live elsewhere (r3jax's own in :mod:`r3jax.serve.protocol`, the peers' in
+:mod:`r3jax.serve.peers`); this module binds each dialect to its endpoint, headers and codec, and
+measures the route bytes of an answer for :mod:`~r3jax.serve.client.stats`. Every dialect returns
+the same checked ``GenerateOutput`` (routes: exactly ``P - s + G - 1`` rows, ``route_dtype(E)``).
 
 - ``"r3jax"``: ``POST /v1/generate``; with ``binary_routes`` it asks for the binary framing
   (a 4-byte JSON length, the JSON, then the raw route bytes), else routes come as base64 JSON.
-- ``"sglang"``: SGLang's native ``POST /generate`` (routes for the whole sequence, int32 base64;
-  the client keeps rows ``[s, P + G - 1)``). SGLang does not report E, K and the MoE layers, so the
-  client needs ``model_info``.
+- ``"skyrl"``: SkyRL 0.4.0's ``POST /skyrl/v1/generate`` (``/inference/v1/generate`` without
+  routes), ``X-Session-ID`` header, packed routes in the chunk's value-canonical dtype.
+- ``"vllm"``: ``POST /v1/completions`` with a token-id prompt, ``routed_experts_prompt_start``,
+  ``return_token_ids``; routes as base64 ``.npy`` (a vLLM server needs ``--enable-return-routed-experts``).
+- ``"sglang"``: SGLang's ``POST /generate`` with ``input_ids`` and ``routed_experts_start_len``;
+  int32 base64 routes (a server that ignores the start sends every row: the first s are dropped).
+
+The peers' bodies carry no integer weight version; an r3jax server adds an ``X-Weight-Version``
+header, which the client reads. From a real vLLM/SkyRL server (no header) the version is
+``r3jax.serve.peers.common.UNKNOWN_VERSION`` (-1); SGLang's ``"default"`` is too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 
 from r3jax.serve import protocol
-from r3jax.serve.protocol import ServedModel
+from r3jax.serve.peers import common, sglang, skyrl, vllm
+from r3jax.serve.protocol import ProtocolError, ServedModel
 
+VERSION_HEADER = "x-weight-version"
 _ROUTES_KEY = b'"routed_experts":'
+_JSON = {"Content-Type": "application/json"}
 
 
 def json_route_bytes(content: bytes) -> int:
-    """Bytes of the ``routed_experts`` member's value in a compact JSON body (0 if absent or null).
-    The wire form (DESIGN.md §3) is a flat object, so the value ends at the first ``}``; a plain
-    search instead of a second JSON parse keeps this free."""
+    """Bytes of the ``routed_experts`` member's value in a compact JSON body (0 if absent or null):
+    an object (r3jax's and SkyRL's wire forms are flat, so it ends at the first ``}``) or a string
+    (vLLM's .npy base64, SGLang's int32 base64). A plain search instead of a second JSON parse."""
     i = content.find(_ROUTES_KEY)
     if i < 0:
         return 0
     j = i + len(_ROUTES_KEY)
     while content[j:j + 1] in (b" ", b"\n", b"\t", b"\r"):
         j += 1
-    if content[j:j + 1] != b"{":
-        return 0  # null (or a form without an object; nothing to count)
-    end = content.find(b"}", j)
+    head = content[j:j + 1]
+    if head not in (b"{", b'"'):
+        return 0  # null
+    end = content.find(b"}" if head == b"{" else b'"', j + 1)
     return (end + 1 - j) if end >= 0 else 0
 
 
-class R3jax:
-    name, path = "r3jax", "/v1/generate"
+def _version(out, headers) -> object:
+    """``out`` with the server's ``X-Weight-Version`` header when its body had no version."""
+    value = (headers or {}).get(VERSION_HEADER)
+    if out.weight_version != common.UNKNOWN_VERSION or value is None:
+        return out
+    if not value.strip().lstrip("-").isdigit():
+        raise ProtocolError(f"X-Weight-Version={value!r}: expected an int", "weight_version")
+    return dataclasses.replace(out, weight_version=int(value))
 
-    def __init__(self, binary_routes: bool = True):
+
+def _dump(body: dict) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+class R3jax:
+    name = "r3jax"
+
+    def __init__(self, binary_routes: bool = True, model: str | None = None):
         self.binary_routes = binary_routes
-        self.headers = {"Content-Type": "application/json"}
+        self._headers = dict(_JSON)
         if binary_routes:
-            self.headers["Accept"] = f"{protocol.BINARY_MEDIA_TYPE}, application/json"
+            self._headers["Accept"] = f"{protocol.BINARY_MEDIA_TYPE}, application/json"
+
+    def path(self, request) -> str:
+        return "/v1/generate"
+
+    def headers(self, request) -> dict:
+        return self._headers
 
     @staticmethod
     def encode(request) -> bytes:
         """The request body (checks ``routed_experts_prompt_start`` and the id lists first)."""
-        return json.dumps(protocol.request_body(request), separators=(",", ":")).encode()
+        return _dump(protocol.request_body(request))
 
     @staticmethod
-    def decode(content: bytes, media_type: str, request, info: ServedModel, where: str):
+    def decode(content: bytes, media_type: str, request, info: ServedModel, where: str, headers=None):
         return protocol.parse_response(content, media_type, request, info, where)
 
     @staticmethod
@@ -64,42 +97,87 @@ class R3jax:
         return json_route_bytes(content)
 
 
-class SGLang:
-    name, path = "sglang", "/generate"
-    headers = {"Content-Type": "application/json"}
+class _Peer:
+    """A peer dialect: a body builder and a response parser from :mod:`r3jax.serve.peers`."""
 
-    def __init__(self, binary_routes: bool = True):
-        del binary_routes  # SGLang has no binary framing
+    name = ""
 
-    @staticmethod
-    def encode(request) -> bytes:
-        return json.dumps(protocol.sglang_body(request), separators=(",", ":")).encode()
+    def __init__(self, binary_routes: bool = True, model: str | None = None):
+        del binary_routes  # the peers have no binary framing
+        self.model = model
 
-    @staticmethod
-    def decode(content: bytes, media_type: str, request, info: ServedModel, where: str):
-        del media_type
-        return protocol.parse_sglang(content, request, info, where)
+    def path(self, request) -> str:
+        raise NotImplementedError
+
+    def headers(self, request) -> dict:
+        return _JSON
+
+    def body(self, request) -> dict:
+        raise NotImplementedError
+
+    def encode(self, request) -> bytes:
+        return _dump(self.body(request))
+
+    def parse(self, content: bytes, request, **kw):
+        raise NotImplementedError
+
+    def decode(self, content: bytes, media_type: str, request, info: ServedModel, where: str, headers=None):
+        out = self.parse(content, request, num_experts=info.num_experts, num_layers=len(info.moe_layer_ids),
+                         top_k=info.top_k, vocab_size=info.vocab_size, where=where)
+        return _version(out, headers)
 
     @staticmethod
     def route_bytes(content: bytes, media_type: str) -> int:
-        return _sglang_route_bytes(content)
+        return json_route_bytes(content)
 
 
-def _sglang_route_bytes(content: bytes) -> int:
-    """SGLang sends ``meta_info.routed_experts`` as one base64 string."""
-    i = content.find(_ROUTES_KEY)
-    if i < 0:
-        return 0
-    j = content.find(b'"', i + len(_ROUTES_KEY))
-    k = content.find(b'"', j + 1) if j >= 0 else -1
-    return k + 1 - j if k > j else 0
+class SkyRL(_Peer):
+    name = "skyrl"
+
+    def path(self, request) -> str:
+        return skyrl.request_for(request)[0]
+
+    def headers(self, request) -> dict:
+        return skyrl.request_for(request)[2]
+
+    def body(self, request) -> dict:
+        return skyrl.request_for(request, model=self.model or "default")[1]
+
+    parse = staticmethod(skyrl.parse_generate_response)
 
 
-PROTOCOLS = {"r3jax": R3jax, "sglang": SGLang}
+class VLLM(_Peer):
+    name = "vllm"
+
+    def path(self, request) -> str:
+        return "/v1/completions"
+
+    def body(self, request) -> dict:
+        body = vllm.completion_body(request, model=self.model or "")
+        if self.model is None:
+            del body["model"]  # vLLM then serves its (only) model
+        return body
+
+    parse = staticmethod(vllm.parse_completion_response)
 
 
-def make(name: str, *, binary_routes: bool = True):
-    """The dialect ``name`` (``"r3jax"`` or ``"sglang"``), or ValueError naming the choices."""
+class SGLang(_Peer):
+    name = "sglang"
+
+    def path(self, request) -> str:
+        return "/generate"
+
+    def body(self, request) -> dict:
+        return sglang.generate_body(request)
+
+    parse = staticmethod(sglang.parse_generate_response)
+
+
+PROTOCOLS = {"r3jax": R3jax, "skyrl": SkyRL, "vllm": VLLM, "sglang": SGLang}
+
+
+def make(name: str, *, binary_routes: bool = True, model: str | None = None):
+    """The dialect ``name`` (one of :data:`PROTOCOLS`), or ValueError naming the choices."""
     if name not in PROTOCOLS:
         raise ValueError(f"protocol={name!r}: expected one of {sorted(PROTOCOLS)}")
-    return PROTOCOLS[name](binary_routes)
+    return PROTOCOLS[name](binary_routes, model)

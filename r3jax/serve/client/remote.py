@@ -11,8 +11,11 @@
   the engine's) at once; other 5xx raise :class:`RemoteError` at once.
 - Several URLs (:mod:`.replicas`): sessions stick to a replica by rendezvous hashing, other requests
   go to the least loaded; a replica that fails is skipped until ``GET /health`` answers 200 again.
-- ``protocol`` (:mod:`.protocols`): ``"r3jax"`` (``binary_routes`` asks for raw route bytes) or
-  ``"sglang"`` (SGLang's ``/generate``; pass ``model_info``).
+- ``protocol`` (:mod:`.protocols`): ``"r3jax"`` (``binary_routes`` asks for raw route bytes),
+  ``"skyrl"``, ``"vllm"`` or ``"sglang"`` (the peers' request forms: the same requests and outputs,
+  the same row rule). The peers' servers do not report E, K and the MoE layers: pass ``model_info``
+  (an r3jax server answers ``GET /v1/model``, which the client then reads itself); ``model`` is the
+  name sent in SkyRL / vLLM bodies.
 - ``stats`` (:mod:`.stats`): requests, attempts, retries, bytes and decode time, for experiments.
 """
 
@@ -26,7 +29,7 @@ from typing import Sequence
 import httpx
 
 from r3jax.serve.client import protocols
-from r3jax.serve.client.errors import RemoteError, Retryable, raise_for
+from r3jax.serve.client.errors import RemoteError, RemoteInputError, Retryable, raise_for
 from r3jax.serve.client.pool import Pools, Runner
 from r3jax.serve.client.replicas import Replica, Replicas
 from r3jax.serve.client.retry import RetryPolicy, call_with_retries
@@ -50,15 +53,12 @@ class RemoteInferenceClient:
                  retry_timeout_s: float = 120.0, max_retries: int | None = None, max_concurrency: int = 64,
                  backoff_s: float = 0.05, max_backoff_s: float = 2.0, binary_routes: bool = True,
                  protocol: str = "r3jax", model_info: dict | ServedModel | None = None,
-                 health_interval_s: float = 0.5):
+                 model: str | None = None, health_interval_s: float = 0.5):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
             raise ValueError(f"urls={urls!r}: expected one or more http(s):// URLs")
-        self._proto = protocols.make(protocol, binary_routes=binary_routes)
+        self._proto = protocols.make(protocol, binary_routes=binary_routes, model=model)
         self.protocol = self._proto.name
-        if protocol == "sglang" and model_info is None:
-            raise ValueError("model_info=None: protocol='sglang' needs model_info (num_experts, top_k, "
-                             "moe_layer_ids): SGLang does not report them")
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency!r}: expected an int >= 1")
         self.retry = RetryPolicy(timeout_s=retry_timeout_s, backoff_s=backoff_s, max_backoff_s=max_backoff_s,
@@ -67,6 +67,7 @@ class RemoteInferenceClient:
         self.replicas = Replicas(urls, self._healthy, health_interval_s=health_interval_s)
         if isinstance(model_info, dict):
             model_info = ServedModel.from_json(model_info)
+        self._given_info = model_info
         for r in self.replicas:
             r.info = model_info
         headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
@@ -124,7 +125,14 @@ class RemoteInferenceClient:
 
     async def _info(self, replica: Replica) -> ServedModel:
         if replica.info is None:
-            replica.info = ServedModel.from_json(await self._get(replica, "/v1/model"))
+            try:
+                replica.info = ServedModel.from_json(await self._get(replica, "/v1/model"))
+            except RemoteInputError as e:
+                if e.status != 404:
+                    raise
+                raise ValueError(f"model_info=None: {replica.url} has no GET /v1/model (not an r3jax server); "
+                                 f"protocol={self.protocol!r} needs model_info={{'num_experts', 'top_k', "
+                                 "'moe_layer_ids'}") from None
         return replica.info
 
     async def _attempt(self, request, body: bytes):
@@ -134,11 +142,12 @@ class RemoteInferenceClient:
         with self._on(replica):
             info = await self._info(replica)
             async with self._pools.current().client() as client:
-                r = await client.post(replica.url + self._proto.path, content=body, headers=self._proto.headers)
+                r = await client.post(replica.url + self._proto.path(request), content=body,
+                                      headers=self._proto.headers(request))
             raise_for(r, replica.url)
         media_type = r.headers.get("content-type", "")
         t0 = time.perf_counter()
-        out = self._proto.decode(r.content, media_type, request, info, replica.url)
+        out = self._proto.decode(r.content, media_type, request, info, replica.url, r.headers)
         rows = 0 if out.routed_experts is None else int(out.routed_experts.shape[0])
         self._stats.add(responses=1, decode_s=time.perf_counter() - t0, body_bytes=len(r.content),
                         route_bytes=self._proto.route_bytes(r.content, media_type), route_rows=rows)
@@ -185,9 +194,9 @@ class RemoteInferenceClient:
         return self._runner.run(self.agenerate(requests))
 
     async def amodel_info(self) -> dict:
-        """``GET /v1/model`` of a live replica (with ``protocol="sglang"``: the given ``model_info``)."""
-        if self.protocol == "sglang":
-            info = self.replicas.all[0].info
+        """``GET /v1/model`` of a live replica (or the ``model_info`` given to the client)."""
+        info = self._given_info
+        if info is not None:
             return {"num_experts": info.num_experts, "top_k": info.top_k, "num_moe_layers": len(info.moe_layer_ids),
                     "moe_layer_ids": list(info.moe_layer_ids), "vocab_size": info.vocab_size,
                     "max_seq_len": info.max_seq_len}

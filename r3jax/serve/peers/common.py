@@ -9,6 +9,7 @@ except the one documented case in :func:`route_rows` (a peer that ignored the pr
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from typing import Any, Iterable, Mapping
@@ -123,6 +124,20 @@ def clamp_logprob(x: float) -> float:
 # Client direction: a peer's answer checked against the request.
 
 
+@contextlib.contextmanager
+def reading(where: str, what: str):
+    """Reading a peer's answer: any malformed part becomes one :class:`ProtocolError` (a bad id keeps
+    its field, e.g. ``routed_experts``), never a bare KeyError or TypeError."""
+    try:
+        yield
+    except ProtocolError:
+        raise
+    except FieldError as e:
+        raise ProtocolError(f"{where}: {e}", e.field.split(" ")[0] or None) from None
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise ProtocolError(f"{where}: bad {what} ({type(e).__name__}: {e})") from None
+
+
 def output_ids(ids: Any, request, vocab_size: int | None, where: str) -> list[int]:
     """G >= 1 sampled ids (at most max_tokens), ints in ``[0, V)`` when V is known."""
     if not isinstance(ids, list) or any(not is_int(t) for t in ids):
@@ -173,8 +188,6 @@ def route_rows(routes: np.ndarray, request, g: int, *, num_experts: int, num_lay
         else:
             raise ProtocolError(f"{where}: routed_experts has {routes.shape[0]} rows: expected "
                                 f"P - s + G - 1 = {p} - {s} + {g} - 1 = {want}")
-    try:
+    with reading(where, "routed_experts"):
         check_route_ids(routes, num_experts, "routed_experts")
-    except FieldError as e:
-        raise ProtocolError(f"{where}: {e}") from None
     return routes.astype(route_dtype(num_experts))

@@ -154,20 +154,31 @@ def generate_body(request: GenerateRequest) -> dict:
                                                            len(request.prompt_ids))}
 
 
-def _version(value: Any) -> int:
-    """SGLang's weight_version is a string ("default" until the first update)."""
-    if is_int(value):
+def _version(meta: Mapping, where: str) -> int:
+    """SGLang's ``meta_info.weight_version`` (a string there) as an int. ``"default"`` (no update yet,
+    or a server started without ``--weight-version``) is ``UNKNOWN_VERSION``; a missing or other
+    non-integer value is a broken answer."""
+    value = meta.get("weight_version", None)
+    if is_int(value) or (isinstance(value, str) and value.strip().lstrip("-").isdigit()):
         return int(value)
-    if isinstance(value, str) and value.isdigit():
-        return int(value)
-    return common.UNKNOWN_VERSION
+    if value == "default":
+        return common.UNKNOWN_VERSION
+    state = "missing" if "weight_version" not in meta else f"{value!r}"
+    raise ProtocolError(f"{where}: meta_info.weight_version is {state}: expected an integer version or "
+                        "'default' (start SGLang with --weight-version 0 to have versions)", "weight_version")
+
+
+def _count(meta: Mapping, key: str, where: str) -> int:
+    if not is_int(meta.get(key)):
+        raise ProtocolError(f"{where}: meta_info.{key}={meta.get(key)!r}: expected an int", key)
+    return int(meta[key])
 
 
 def parse_generate_response(content: bytes | str | Mapping, request: GenerateRequest, *, num_experts: int,
                             num_layers: int, top_k: int, vocab_size: int | None = None,
                             where: str = "sglang") -> GenerateOutput:
     """An SGLang ``/generate`` answer → ``GenerateOutput`` checked against the row rule."""
-    try:
+    with common.reading(where, "SGLang /generate response"):
         obj = json.loads(content) if isinstance(content, (bytes, str)) else content
         meta = obj["meta_info"]
         reason = meta["finish_reason"]
@@ -193,13 +204,10 @@ def parse_generate_response(content: bytes | str | Mapping, request: GenerateReq
             arr = decode_routes(meta["routed_experts"], num_experts, num_layers, top_k)
             routes = common.route_rows(arr, request, len(ids), num_experts=num_experts, num_layers=num_layers,
                                        top_k=top_k, where=where)
-        cached = meta.get("cached_tokens") or 0
-        version = _version(meta.get("weight_version"))
-    except ProtocolError:
-        raise
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        raise ProtocolError(f"{where}: bad SGLang /generate response ({type(e).__name__}: {e})") from None
+        cached = _count(meta, "cached_tokens", where)
+        prompt_tokens = _count(meta, "prompt_tokens", where)
+        version = _version(meta, where)
     return GenerateOutput(output_ids=ids, logprobs=lps, finish_reason=common.finish(reason, where),
-                          routed_experts=routes, prompt_tokens=int(meta.get("prompt_tokens", len(request.prompt_ids))),
-                          cached_tokens=int(cached), weight_version=version,
+                          routed_experts=routes, prompt_tokens=prompt_tokens,
+                          cached_tokens=cached, weight_version=version,
                           routed_experts_start=int(request.routed_experts_prompt_start))

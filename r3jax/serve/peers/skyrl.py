@@ -152,7 +152,7 @@ def parse_generate_response(content: bytes | str | Mapping, request: GenerateReq
                             num_layers: int, top_k: int, vocab_size: int | None = None,
                             where: str = "skyrl") -> GenerateOutput:
     """A SkyRL (or vLLM ``/inference/v1/generate``) response → ``GenerateOutput`` (row rule checked)."""
-    try:
+    with common.reading(where, "SkyRL generate response"):
         obj = json.loads(content) if isinstance(content, (bytes, str)) else content
         choice = obj["choices"][0]
         ids = common.output_ids(choice["token_ids"], request, vocab_size, where)
@@ -168,10 +168,6 @@ def parse_generate_response(content: bytes | str | Mapping, request: GenerateReq
                 raise ProtocolError(f"{where}: {ROUTES_PATH} must return packed routed_experts")
             routes = common.route_rows(decode_routes(choice["routed_experts"], num_experts), request, len(ids),
                                        num_experts=num_experts, num_layers=num_layers, top_k=top_k, where=where)
-    except ProtocolError:
-        raise
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        raise ProtocolError(f"{where}: bad SkyRL generate response ({type(e).__name__}: {e})") from None
     return GenerateOutput(output_ids=ids, logprobs=lps, finish_reason=common.finish(choice.get("finish_reason"), where),
                           routed_experts=routes, prompt_tokens=len(request.prompt_ids), cached_tokens=0,
                           weight_version=common.UNKNOWN_VERSION,

@@ -211,6 +211,18 @@ def render_completion(out: GenerateOutput, request: GenerateRequest, *, model: s
             "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
 
 
+def render_generate(out: GenerateOutput, request: GenerateRequest, *, request_id: str) -> dict:
+    """vLLM's ``POST /inference/v1/generate`` answer (``GenerateResponse``): token ids, the sampled
+    token's logprob as chat-style ``logprobs.content`` (floored at -9999.0), no routes."""
+    logprobs = None
+    if out.logprobs is not None:
+        logprobs = {"content": [{"token": f"token_id:{int(t)}", "logprob": common.clamp_logprob(x), "bytes": None,
+                                 "top_logprobs": []} for t, x in zip(out.output_ids, out.logprobs)]}
+    choice = {"index": 0, "logprobs": logprobs, "finish_reason": out.finish_reason,
+              "token_ids": [int(t) for t in out.output_ids]}
+    return {"request_id": request_id, "choices": [choice], "prompt_logprobs": None, "kv_transfer_params": None}
+
+
 def models_body(model: str, *, max_model_len: int, created: int) -> dict:
     """``GET /v1/models``: vLLM's ``ModelList`` with one ``ModelCard``."""
     card = {"id": model, "object": "model", "created": int(created), "owned_by": "vllm", "root": model,
@@ -252,7 +264,7 @@ def parse_completion_response(content: bytes | str | Mapping, request: GenerateR
                               num_layers: int, top_k: int, vocab_size: int | None = None,
                               where: str = "vllm") -> GenerateOutput:
     """A ``/v1/completions`` response → ``GenerateOutput`` checked against the row rule."""
-    try:
+    with common.reading(where, "/v1/completions response"):
         obj = json.loads(content) if isinstance(content, (bytes, str)) else content
         choice = obj["choices"][0]
         ids = common.output_ids(choice["token_ids"], request, vocab_size, where)
@@ -268,10 +280,6 @@ def parse_completion_response(content: bytes | str | Mapping, request: GenerateR
                                        num_experts=num_experts, num_layers=num_layers, top_k=top_k, where=where)
         details = (obj.get("usage") or {}).get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens") or 0
-    except ProtocolError:
-        raise
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        raise ProtocolError(f"{where}: bad /v1/completions response ({type(e).__name__}: {e})") from None
     return GenerateOutput(output_ids=ids, logprobs=lps, finish_reason=common.finish(choice.get("finish_reason"), where),
                           routed_experts=routes, prompt_tokens=len(request.prompt_ids), cached_tokens=int(cached),
                           weight_version=common.UNKNOWN_VERSION,

@@ -133,6 +133,33 @@ class FakeEngine:
         return self.weight_version
 
 
+SKYRL_DIR = REPO / ".venv" / "peers" / "skyrl-0.4.0"  # unpacked by `make venv` (Makefile: skyrl-client)
+
+
+@pytest.fixture(scope="session")
+def skyrl_client():
+    """SkyRL 0.4.0's own client modules, imported from its unpacked wheel: ``(remote_inference_client,
+    generate_wire, routed_experts)``. Only ``skyrl.backends``' package ``__init__`` is skipped (it pulls
+    in the Tinker API, whose pydantic TypedDicts need Python 3.12); the client's code runs unchanged."""
+    import importlib
+    import types
+
+    root = Path(os.environ.get("R3JAX_SKYRL_DIR", SKYRL_DIR))
+    if not (root / "skyrl" / "backends").is_dir():
+        pytest.skip(f"SkyRL 0.4.0 not unpacked at {root} (run `make skyrl-client`; needs PyPI)")
+    for dep in ("aiohttp", "orjson", "pybase64", "loguru", "rich", "torch"):
+        pytest.importorskip(dep, reason=f"SkyRL's client imports {dep} (the 'peers' / 'parity' extras)")
+    sys.path.append(str(root))  # stays: SkyRL's modules may import more of themselves later
+    importlib.import_module("skyrl")
+    backends = types.ModuleType("skyrl.backends")
+    backends.__path__ = [str(root / "skyrl" / "backends")]
+    sys.modules.setdefault("skyrl.backends", backends)
+    base = "skyrl.backends.skyrl_train."
+    return tuple(importlib.import_module(base + m) for m in
+                 ("inference_servers.remote_inference_client", "inference_servers.generate_wire",
+                  "utils.routed_experts"))
+
+
 @pytest.fixture(scope="session")
 def serve_helpers():
     """The helpers above, as one namespace (test modules cannot import this conftest)."""

@@ -81,7 +81,7 @@ def test_round_trip_equals_in_process_engine(served, binary):
 
 
 def test_json_wire_form(served, monkeypatch):
-    import r3jax.serve.app as app_module
+    import r3jax.serve.dispatch as app_module
 
     engine, url = served
     body = {"prompt_ids": [5, 6, 7, 8, 9], "sampling_params": {"max_tokens": 4, "temperature": 0.0,

@@ -234,10 +234,12 @@ def test_sglang_protocol(serve_helpers):
                                                                                          "length", 1)
         assert seen[0]["input_ids"] == [5, 6, 7, 8] and seen[0]["return_routed_experts"] is True
         assert seen[0]["sampling_params"]["top_k"] == -1 and seen[0]["sampling_params"]["sampling_seed"] == 3
-        with pytest.raises(ProtocolError, match="P \\+ G - 1"):
+        with pytest.raises(ProtocolError, match="has 2 rows: expected P - s \\+ G - 1 = 2 - 0 \\+ 2 - 1 = 3"):
             client.generate([GenerateRequest([99, 1], max_tokens=2, return_routed_experts=True)])
-    with pytest.raises(ValueError, match="model_info"):
-        RemoteInferenceClient("http://127.0.0.1:1", protocol="sglang")
+        assert seen[0]["routed_experts_start_len"] == 2  # asked for; this server sends every row anyway
+        with fast(srv.url, protocol="sglang") as blind, pytest.raises(ValueError, match="has no GET /v1/model .not "
+                                                                          "an r3jax server.; protocol='sglang' needs model_info"):
+            blind.generate([req])
 
 
 def test_parse_response_reads_the_skyrl_form_and_checks_it():

@@ -15,7 +15,8 @@ from r3jax.checks import FieldError
 from r3jax.engine import GenerateOutput, GenerateRequest
 from r3jax.routes import encode
 from r3jax.serve import protocol, schema
-from r3jax.serve.protocol import ProtocolError, ServedModel, parse_response, parse_sglang
+from r3jax.serve.peers import sglang
+from r3jax.serve.protocol import ProtocolError, ServedModel, parse_response
 
 INFO = ServedModel(num_experts=8, top_k=2, moe_layer_ids=(1, 2), vocab_size=272)
 REQ = GenerateRequest([1, 2, 3], max_tokens=3, return_routed_experts=True, routed_experts_prompt_start=1)
@@ -62,21 +63,23 @@ def _sglang(rows, **meta):
         "routed_experts": base64.b64encode(rows.astype("<i4").tobytes()).decode(), **meta}}
     body["meta_info"] = {k: v for k, v in body["meta_info"].items() if v is not None}
     req = GenerateRequest([1, 2, 3], max_tokens=2, return_routed_experts=True, routed_experts_prompt_start=1)
-    return parse_sglang(json.dumps(body).encode(), req, INFO, "sg")
+    return sglang.parse_generate_response(json.dumps(body).encode(), req, num_experts=8, num_layers=2, top_k=2,
+                                          vocab_size=272, where="sg")
 
 
 def test_sglang_weight_version_is_read_never_defaulted():
-    rows = np.arange(4 * 4).reshape(4, 2, 2) % 8  # P + G - 1 = 4 rows
+    rows = np.arange(4 * 4).reshape(4, 2, 2) % 8  # P + G - 1 = 4 rows (a server that ignores the start)
     out = _sglang(rows)
     assert out.weight_version == 7 and out.routed_experts.dtype == np.uint8
     np.testing.assert_array_equal(out.routed_experts, rows[1:])
     assert _sglang(rows, weight_version=5).weight_version == 5
-    for version, state in ((None, "missing"), ("default", "'default'")):
+    assert _sglang(rows, weight_version="default").weight_version == -1  # SGLang's "never versioned"
+    for version, state in ((None, "missing"), ("v2", "'v2'")):
         with pytest.raises(ProtocolError, match=f"meta_info.weight_version is {state}: expected an integer "
-                                                "version .start SGLang with --weight-version 0") as err:
+                                                "version or 'default' .start SGLang with --weight-version 0") as err:
             _sglang(rows, weight_version=version)
         assert err.value.field == "weight_version"
-    with pytest.raises(ProtocolError, match="missing field 'cached_tokens'"):
+    with pytest.raises(ProtocolError, match="meta_info.cached_tokens=None: expected an int"):
         _sglang(rows, cached_tokens=None)
 
 
@@ -95,7 +98,7 @@ def test_sglang_routes_with_repeated_or_out_of_range_ids_are_refused():
 def test_request_prompt_start_uses_the_one_rule():
     for s in (4, -1, True):
         bad = GenerateRequest([1, 2, 3], routed_experts_prompt_start=s)
-        for encode_body in (protocol.request_body, protocol.sglang_body):
+        for encode_body in (protocol.request_body, sglang.generate_body):
             with pytest.raises(FieldError, match=re.escape(f"routed_experts_prompt_start={s!r}: expected an int "
                                                            "in [0, P=3]")) as err:
                 encode_body(bad)

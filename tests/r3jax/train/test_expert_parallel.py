@@ -30,10 +30,12 @@ def moved_shapes(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
 
 def expert_shapes(cfg, mesh) -> set[tuple[int, ...]]:
     """Every shape (size-1 dims dropped) an expert weight, a shard or a partial gather of it can
-    have on ``mesh``: ``[E', D', I']`` or ``[E', I', D']``, E' | E, D' in {D, D/fsdp}, I' in {I, I/fsdp}."""
+    have on ``mesh``: ``[E', D', I']`` or ``[E', I', D']``, E' | E, D' in {D, D/fsdp}, I' in
+    {I, I/fsdp}, alone or stacked over the MoE layers ``[L, ...]``."""
     e, d, i, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, mesh.shape["fsdp"]
     es = [k for k in range(1, e + 1) if e % k == 0]
-    full = {s for a in es for b in {d, d // f} for c in {i, i // f} for s in ((a, b, c), (a, c, b))}
+    one = {s for a in es for b in {d, d // f} for c in {i, i // f} for s in ((a, b, c), (a, c, b))}
+    full = one | {(cfg.num_moe_layers,) + s for s in one}
     return {tuple(n for n in s if n != 1) for s in full}
 
 
@@ -59,9 +61,9 @@ def test_compiled_ep_step_gathers_no_expert_weight(tx, train_cfg):
     model = models.MoeTransformer(cfg, rngs=nnx.Rngs(0))
     mesh = make_mesh(1, 2, 4)
     state = train.init_train_state(model, tx, mesh=mesh)
-    gate = state.params["layers"][1]["mlp"]["gate_proj"][...]
-    assert gate.sharding.spec == P(("expert", "fsdp"), None, None)
-    assert gate.addressable_shards[0].data.shape == (1, 48, 40)  # [E/8, D, I]
+    gate = state.params["moe_layers"]["mlp"]["gate_proj"][...]  # [L, E, D, I]
+    assert gate.sharding.spec == P(None, ("expert", "fsdp"), None, None)
+    assert gate.addressable_shards[0].data.shape == (2, 1, 48, 40)  # [L, E/8, D, I]
     batch = shard_batch(synthetic_batch(cfg, 8, 16), mesh)
     hlo = train.make_train_step(state, config=train_cfg).lower(state, batch).compile().as_text()
     moved = moved_shapes(hlo)

@@ -1,0 +1,110 @@
+"""One path from an HTTP request to the engine and back, shared by every protocol the server speaks
+(r3jax's ``/v1/generate`` and the SkyRL / vLLM / SGLang adapters in :mod:`r3jax.serve.peer_app`).
+
+:class:`ServeContext` submits a ``GenerateRequest`` to the engine bridge, cancels it when the client
+goes away, counts sessions and protocols, and runs large route encodings off the event loop. What
+can go wrong is typed, so each protocol renders it in its own error shape:
+
+- :class:`r3jax.checks.FieldError`: the engine refused the request (bad input, a 4xx);
+- :class:`Unavailable`: not served for a reason a retry fixes (shutting down, too many queued, a
+  weight update aborted it): 503 with ``Retry-After``;
+- :class:`Disconnected`: the client left; the request was cancelled (its slot freed), answer 499.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import time
+from typing import Any, Callable
+
+from fastapi import Request
+
+from r3jax.engine.errors import EngineAborted
+from r3jax.serve.batcher import EngineBridge, ShuttingDown
+
+MAX_SESSIONS = 1024
+OFFLOAD_BYTES = 256 << 10  # responses with more route bytes are encoded in a worker thread
+
+
+class Unavailable(Exception):
+    """Not served; a retry (later or elsewhere) may succeed. ``kind``: ``"unavailable"`` or ``"aborted"``."""
+
+    def __init__(self, detail: str, kind: str = "unavailable"):
+        super().__init__(detail)
+        self.detail, self.kind = detail, kind
+
+
+class Disconnected(Exception):
+    """The client went away before the answer; the engine request was cancelled."""
+
+
+@dataclasses.dataclass
+class ServeContext:
+    """What every generate endpoint shares: the engine bridge and the server's counters.
+
+    ``route_stats``: ``encode_s, rows, bytes, responses`` of route payloads sent (all protocols);
+    ``protocols``: requests answered per protocol; ``sessions``: requests of the last
+    ``MAX_SESSIONS`` session ids (for load reports and stickiness tests)."""
+
+    engine: Any
+    bridge: EngineBridge
+    route_stats: dict = dataclasses.field(
+        default_factory=lambda: {"encode_s": 0.0, "rows": 0, "bytes": 0, "responses": 0})
+    protocols: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    sessions: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
+
+    def count_session(self, session_id: str | None) -> None:
+        if session_id is None:
+            return
+        self.sessions[session_id] = self.sessions.pop(session_id, 0) + 1
+        if len(self.sessions) > MAX_SESSIONS:
+            self.sessions.popitem(last=False)
+
+    async def generate(self, request: Request, req) -> Any:
+        """The engine's ``GenerateOutput`` for ``req`` (raises FieldError, Unavailable, Disconnected)."""
+        self.count_session(req.session_id)
+        task = asyncio.ensure_future(self.bridge.submit(req))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not task.done():  # the client went away: cancel, which frees the request's slot
+            task.cancel()
+            raise Disconnected()
+        try:
+            return task.result()
+        except ShuttingDown as e:  # also Overloaded: not started, so safe to retry
+            raise Unavailable(str(e)) from None
+        except EngineAborted as e:  # stopped by a weight update: nothing was returned, retry it
+            raise Unavailable(str(e), "aborted") from None
+
+    async def render(self, protocol: str, out, encode: Callable[[], tuple[Any, int]]) -> Any:
+        """``encode()`` -> ``(response, route wire bytes)``, timed into ``route_stats``; run in a
+        worker thread when the routes are large (base64 + JSON of MBs would stall the loop)."""
+        routes = out.routed_experts
+
+        def timed():
+            t0 = time.perf_counter()
+            response, wire = encode()
+            if routes is not None:
+                self.route_stats["encode_s"] += time.perf_counter() - t0
+                self.route_stats["rows"] += int(routes.shape[0])
+                self.route_stats["bytes"] += int(wire)
+                self.route_stats["responses"] += 1
+            return response
+
+        self.protocols[protocol] += 1
+        if routes is not None and routes.nbytes > OFFLOAD_BYTES:
+            return await asyncio.to_thread(timed)
+        return timed()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body is already read, so the next message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,228 @@
+"""The peers' endpoints on the r3jax server: thin adapters over the same engine call as ``/v1/generate``.
+
+    POST /skyrl/v1/generate     SkyRL 0.4.0 (routes wanted: the path says so; X-Session-ID sticky)
+    POST /inference/v1/generate vLLM's tokens-in/tokens-out route (SkyRL's plain path)
+    POST /v1/completions        vLLM OpenAI-compatible, token-id prompt, routed_experts(_prompt_start)
+    GET  /v1/models             vLLM's ModelList
+    POST /generate              SGLang native, input_ids, return_routed_experts, routed_experts_start_len
+    POST /tokenize, /detokenize vLLM's forms (what SkyRL's client calls), when the server has a tokenizer
+    POST /finish_session        SkyRL's best-effort session end
+
+Bodies are parsed and answers rendered by :mod:`r3jax.serve.peers` (each peer's field names,
+defaults, route encodings and error shapes; sources in docs/peers.md). Every answer carries an
+``X-Weight-Version`` header (peers' bodies have no integer version; headers are invisible to their
+parsers), which :class:`~r3jax.serve.RemoteInferenceClient` reads. Bad input is the peer's own 4xx;
+503 (``Retry-After``) when a retry would help; never a 5xx.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Callable, Mapping
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from r3jax.checks import FieldError
+from r3jax.serve.dispatch import Disconnected, ServeContext, Unavailable
+from r3jax.serve.peers import sglang, skyrl, vllm
+from r3jax.serve.peers import openapi as peer_openapi
+from r3jax.serve.peers.common import token_ids
+
+# engine request fields (GenerateRequest) -> the field each peer calls them
+_ENGINE_FIELDS = {
+    "skyrl": {"prompt_ids": "token_ids", "*": "sampling_params.{}"},
+    "vllm": {"prompt_ids": "prompt", "*": "{}"},
+    "sglang": {"prompt_ids": "input_ids", "max_tokens": "sampling_params.max_new_tokens",
+               "seed": "sampling_params.sampling_seed", "routed_experts_prompt_start": "routed_experts_start_len",
+               "return_logprobs": "return_logprob", "session_id": "rid", "*": "sampling_params.{}"},
+}
+NO_TOKENIZER = "this server has no tokenizer: start it with --tokenizer"
+_ERRORS = {"skyrl": skyrl.error_response, "vllm": vllm.error_response, "sglang": sglang.error_response}
+
+
+def _peer_field(peer: str, err: FieldError) -> FieldError:
+    """An engine refusal renamed to the peer's field (``max_tokens`` -> ``sampling_params.max_new_tokens``)."""
+    field, table = err.field, _ENGINE_FIELDS[peer]
+    cut = min((i for i in (field.find("."), field.find("[")) if i >= 0), default=len(field))
+    head, rest = field[:cut], field[cut:]
+    renamed = table.get(head) or table["*"].format(head)
+    return FieldError(renamed + rest, err.value, err.expected, err.message.replace(field, renamed + rest, 1))
+
+
+def _json_response(obj: Any, status: int = 200, headers: Mapping | None = None, raw: bytes | None = None) -> Response:
+    body = raw if raw is not None else json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    return Response(body, status, headers=dict(headers or {}), media_type="application/json")
+
+
+def _error(peer: str, err: FieldError) -> Response:
+    status, body = _ERRORS[peer](err)
+    return _json_response(body, status)
+
+
+def _unavailable(peer: str, detail: str) -> Response:
+    info = {"message": detail} if peer == "sglang" else \
+        {"message": detail, "type": "ServiceUnavailableError", "param": None, "code": 503}
+    return _json_response({"error": info}, 503, {"Retry-After": "1"})
+
+
+def _load(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        raise FieldError("body", raw[:40].decode("utf-8", "replace"), "a JSON object") from None
+
+
+def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_seq_len: int, num_experts: int,
+                       served_model: str, tokenizer: Any = None, routes_default: bool = False) -> None:
+    """Register the peers' endpoints on ``app``.
+
+    served_model: the model name ``/v1/models`` reports and ``/v1/completions`` accepts.
+    tokenizer: an object with ``encode(text) -> ids`` and ``decode(ids) -> text`` (e.g.
+    :class:`r3jax.rollout.ByteTokenizer`), or None: text prompts and ``/tokenize`` are then a 400
+    naming the missing tokenizer, and response ``text`` is ''.
+    routes_default: vLLM's ``--enable-return-routed-experts``: completions return routes unless the
+    body says ``"return_routed_experts": false`` (an r3jax extension, e.g. openai's ``extra_body``).
+    """
+    created = int(time.time())
+    limits = dict(vocab_size=vocab_size, max_seq_len=max_seq_len)
+
+    def text_of(ids) -> str:
+        return "" if tokenizer is None else tokenizer.decode(list(ids))
+
+    def encode_text(field: str, text: Any) -> list[int]:
+        if tokenizer is None:
+            raise FieldError(field, text, f"token ids ({NO_TOKENIZER})")
+        if not isinstance(text, str):
+            raise FieldError(field, text, "a string")
+        return list(tokenizer.encode(text))
+
+    async def run(peer: str, request: Request, parse: Callable[[Any, Request], Any],
+                  render: Callable[[Any, Any, Any], tuple[Response, int]]) -> Response:
+        try:
+            body = _load(await request.body())
+            req = parse(body, request)
+        except FieldError as e:
+            return _error(peer, e)
+        try:
+            out = await ctx.generate(request, req)
+        except FieldError as e:
+            return _error(peer, _peer_field(peer, e))
+        except Unavailable as e:
+            return _unavailable(peer, e.detail)
+        except Disconnected:
+            return Response(status_code=499)
+        response = await ctx.render(peer, out, lambda: render(body, req, out))
+        response.headers["X-Weight-Version"] = str(int(out.weight_version))
+        return response
+
+    # ---- SkyRL ------------------------------------------------------------------------------------
+    def skyrl_route(path: str, routes: bool):
+        def parse(body, request):
+            return skyrl.parse_generate(body, return_routed_experts=routes,
+                                        session_id=request.headers.get(skyrl.SESSION_HEADER), **limits)
+
+        def render(body, req, out):
+            if routes:  # SkyRL's own server: packed routes, compact JSON with "data" first
+                obj = skyrl.render_generate(out, req, num_experts=num_experts)
+                packed = obj["choices"][0]["routed_experts"]
+                return _json_response(None, raw=skyrl.dumps(obj)), len(packed["data"]) if packed else 0
+            return _json_response(vllm.render_generate(out, req, request_id=_request_id(body))), 0
+
+        async def endpoint(request: Request):
+            return await run("skyrl", request, parse, render)
+
+        summary = ("SkyRL 0.4.0 generate with routed experts" if routes else
+                   "vLLM tokens-in/tokens-out generate (SkyRL's plain path)")
+        app.post(path, openapi_extra=peer_openapi.skyrl_body(routes), tags=["SkyRL / vLLM"],
+                 summary=summary)(endpoint)
+
+    skyrl_route(skyrl.ROUTES_PATH, True)
+    skyrl_route(skyrl.PLAIN_PATH, False)
+
+    # ---- vLLM OpenAI-compatible ---------------------------------------------------------------------
+    @app.post("/v1/completions", openapi_extra=peer_openapi.vllm_completions_body(), tags=["vLLM"],
+              summary="vLLM /v1/completions (token-id or text prompt) with routed experts")
+    async def completions(request: Request):
+        def parse(body, request):
+            if isinstance(body, dict) and isinstance(body.get("prompt"), str):
+                body = {**body, "prompt": encode_text("prompt", body["prompt"])}
+            return vllm.parse_completion(body, served_model=served_model, return_routed_experts_default=routes_default,
+                                         session_id=request.headers.get(skyrl.SESSION_HEADER), **limits)
+
+        def render(body, req, out):
+            obj = vllm.render_completion(out, req, model=served_model, request_id=_request_id(body),
+                                         created=int(time.time()), num_experts=num_experts,
+                                         return_token_ids=body.get("return_token_ids") is True,
+                                         text=text_of(out.output_ids))
+            routes = obj["choices"][0]["routed_experts"]
+            return _json_response(obj), len(routes or "")
+
+        return await run("vllm", request, parse, render)
+
+    @app.get("/v1/models", tags=["vLLM"], summary="vLLM's ModelList: the served model")
+    async def models():
+        return _json_response(vllm.models_body(served_model, max_model_len=max_seq_len, created=created))
+
+    # ---- SGLang -------------------------------------------------------------------------------------
+    @app.post("/generate", openapi_extra=peer_openapi.sglang_body(), tags=["SGLang"],
+              summary="SGLang native /generate (input_ids or text) with routed experts")
+    async def sglang_generate(request: Request):
+        def parse(body, request):
+            if isinstance(body, dict) and body.get("text") is not None and body.get("input_ids") is None:
+                body = {**body, "input_ids": encode_text("text", body["text"]), "text": None}
+            return sglang.parse_generate(body, **limits)
+
+        def render(body, req, out):
+            rid = body.get("rid") or uuid.uuid4().hex
+            obj = sglang.render_generate(out, req, num_experts=num_experts, rid=rid, text=text_of(out.output_ids))
+            return _json_response(obj), len(obj["meta_info"].get("routed_experts") or "")
+
+        return await run("sglang", request, parse, render)
+
+    # ---- tokenizer and session endpoints (vLLM's forms, as SkyRL's client calls them) ---------------
+    @app.post("/tokenize", openapi_extra=peer_openapi.tokenize_body(), tags=["SkyRL / vLLM"],
+              summary="vLLM /tokenize: text -> token ids (needs the server's tokenizer)")
+    async def tokenize(request: Request):
+        try:
+            body = _vllm_body(await request.body(), served_model)
+            if body.get("messages") is not None:
+                raise FieldError("messages", "[...]", "a 'prompt' string (r3jax renders no chat template here)")
+            ids = encode_text("prompt", body.get("prompt"))
+        except FieldError as e:
+            return _error("vllm", e)
+        return _json_response({"count": len(ids), "max_model_len": max_seq_len, "tokens": ids, "token_strs": None})
+
+    @app.post("/detokenize", openapi_extra=peer_openapi.detokenize_body(), tags=["SkyRL / vLLM"],
+              summary="vLLM /detokenize: token ids -> text (needs the server's tokenizer)")
+    async def detokenize(request: Request):
+        try:
+            body = _vllm_body(await request.body(), served_model)
+            ids = token_ids("tokens", body.get("tokens"), vocab_size, allow_empty=True)
+            if tokenizer is None:
+                raise FieldError("tokens", ids[:8], f"text needs a tokenizer ({NO_TOKENIZER})")
+        except FieldError as e:
+            return _error("vllm", e)
+        return _json_response({"prompt": tokenizer.decode(ids)})
+
+    @app.post("/finish_session", tags=["SkyRL / vLLM"], summary="SkyRL's session end (best effort)")
+    async def finish_session(session_id: str | None = None):
+        found = session_id is not None and ctx.sessions.pop(session_id, None) is not None
+        return _json_response({"status": "ok", "session_id": session_id, "known": found})
+
+
+def _vllm_body(raw: bytes, served_model: str) -> dict:
+    """A vLLM tokenizer-endpoint body: a JSON object whose ``model``, if given, is the served one."""
+    body = _load(raw)
+    if not isinstance(body, dict):
+        raise FieldError("body", body, "a JSON object")
+    if body.get("model") not in (None, served_model):
+        raise FieldError("model", body["model"], f"the served model {served_model!r}")
+    return body
+
+
+def _request_id(body: Any) -> str:
+    rid = body.get("request_id") if isinstance(body, dict) else None
+    return rid if isinstance(rid, str) and rid else uuid.uuid4().hex

@@ -1,0 +1,232 @@
+"""The peers' endpoints on the real tiny engine over HTTP (uvicorn in a thread): the same two-turn
+conversation through every protocol (r3jax JSON and binary, SkyRL, vLLM, SGLang) gives the same tokens,
+logprobs and route rows ``[s, P + G - 1)`` as the in-process engine; openai's own client drives
+``/v1/completions``; every endpoint answers bad input with its peer's 4xx and never a 5xx (fuzzed);
+auth and OpenAPI cover every endpoint."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import httpx
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from models import MoeConfig, MoeTransformer
+from r3jax.engine import Engine, GenerateRequest
+from r3jax.rollout import ByteTokenizer
+from r3jax.serve import RemoteInferenceClient, RemoteInputError, create_app
+
+# the engine tests' configuration (tests/r3jax/serve/test_app.py): the same programs, from the cache
+ENGINE_KW = dict(max_seq_len=64, max_batch_size=4, block_size=8, prefill_chunk=32, min_prefill_chunk=32,
+                 prefill_rows=4, moe_impl="dense")
+PROTOCOLS = [("r3jax", True), ("r3jax", False), ("skyrl", False), ("vllm", False), ("sglang", False)]
+FIRST, OBSERVATION = [256, 259, 72, 105, 260], [257, 259, 79, 107, 260]  # ByteTokenizer dialogue pieces
+
+
+@pytest.fixture(scope="module")
+def served(serve_helpers):
+    engine = Engine(MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0)), **ENGINE_KW)
+    app = create_app(engine, max_body_bytes=64 << 10, served_model_name="tiny", tokenizer=ByteTokenizer())
+    with serve_helpers.thread_server(app) as srv:
+        yield engine, srv.url
+    engine.close()
+
+
+def _turns(generate, session: str | None = None):
+    """Two turns of a conversation driven by ``generate(request) -> GenerateOutput``; the second turn
+    asks only for the rows after those already captured (s = P1 + G1 - 1)."""
+    r1 = GenerateRequest(FIRST, max_tokens=4, temperature=0.0, return_routed_experts=True, session_id=session)
+    o1 = generate(r1)
+    prompt = FIRST + list(o1.output_ids) + OBSERVATION
+    s = len(FIRST) + len(o1.output_ids) - 1
+    r2 = GenerateRequest(prompt, max_tokens=4, temperature=0.0, return_routed_experts=True,
+                         routed_experts_prompt_start=s, session_id=session)
+    return (r1, o1), (r2, generate(r2))
+
+
+@pytest.mark.parametrize("protocol,binary", PROTOCOLS)
+def test_two_turns_through_every_protocol_equal_the_engine(served, protocol, binary):
+    engine, url = served
+    want = _turns(lambda r: engine.generate([r])[0])
+    with RemoteInferenceClient(url, protocol=protocol, binary_routes=binary, model="tiny") as client:
+        got = _turns(lambda r: client.generate([r])[0], session="conv-1")
+        stats = httpx.get(url + "/v1/stats").json()
+    for (req, a), (_, b) in zip(got, want):
+        assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
+        assert a.logprobs == b.logprobs  # floats survive JSON exactly
+        p, g, s = len(req.prompt_ids), len(a.output_ids), req.routed_experts_prompt_start
+        assert a.routed_experts.shape == (p - s + g - 1, 2, 2) and a.routed_experts.dtype == np.uint8
+        np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
+        assert a.routed_experts_start == s and a.weight_version == engine.weight_version  # X-Weight-Version
+    assert stats["protocols"][protocol] >= 2
+    if protocol in ("r3jax", "skyrl", "vllm"):  # the ones that carry a session id
+        assert stats["sessions"]["conv-1"] >= 2
+
+
+def test_openai_client_drives_completions(served):
+    openai = pytest.importorskip("openai")
+    engine, url = served
+    (r1, o1), (r2, o2) = _turns(lambda r: engine.generate([r])[0])
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    for req, want in ((r1, o1), (r2, o2)):
+        resp = client.completions.create(
+            model="tiny", prompt=list(req.prompt_ids), max_tokens=4, temperature=0.0, logprobs=0,
+            extra_body={"return_token_ids": True, "return_routed_experts": True,
+                        "routed_experts_prompt_start": req.routed_experts_prompt_start})
+        choice = resp.choices[0]
+        extra = choice.model_extra
+        assert extra["token_ids"] == want.output_ids and choice.finish_reason == want.finish_reason
+        assert choice.text == ByteTokenizer().decode(want.output_ids)
+        assert choice.logprobs.token_logprobs == want.logprobs
+        routes = np.load(io.BytesIO(base64.b64decode(extra["routed_experts"])))  # vLLM's documented decode
+        np.testing.assert_array_equal(routes, want.routed_experts)
+        assert resp.usage.prompt_tokens == len(req.prompt_ids) and resp.usage.completion_tokens == 4
+    text = client.completions.create(model="tiny", prompt="Hi", max_tokens=2, temperature=0.0,
+                                     extra_body={"return_token_ids": True})
+    assert text.choices[0].model_extra["prompt_token_ids"] == list(b"Hi")  # the server's tokenizer
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt=[1, 2], max_tokens=0)
+    assert err.value.status_code == 400 and err.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt=[1, 2], max_tokens=2)
+
+
+BAD = [  # (path, body, status, the field the peer's error names)
+    ("/skyrl/v1/generate", {"model": "m", "sampling_params": {"max_tokens": 2}}, 400, "token_ids"),
+    ("/skyrl/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2,
+                                                                      "routed_experts_prompt_start": 3}},
+     400, "sampling_params.routed_experts_prompt_start"),
+    ("/skyrl/v1/generate", {"token_ids": [1, 272]}, 400, "token_ids[1]"),
+    ("/skyrl/v1/generate", {"token_ids": [1], "return_sample_support": True}, 400, "return_sample_support"),
+    ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"n": 2}}, 400, "sampling_params.n"),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 63}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": [[1], [2]]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1], "logprobs": 5}, 400, "logprobs"),
+    ("/v1/completions", {"model": "other", "prompt": [1]}, 404, "model"),
+    ("/generate", {"input_ids": [1, 2], "return_routed_experts": True, "routed_experts_start_len": 3}, 400,
+     "routed_experts_start_len"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"top_k": 0}}, 400, "sampling_params.top_k"),
+    ("/generate", {"input_ids": [1], "stream": True}, 400, "stream"),
+    ("/detokenize", {"tokens": [1, -1]}, 400, "tokens[1]"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+]
+
+
+def _field(path: str, body: dict) -> str | None:
+    err = body["error"]
+    if path == "/generate":  # SGLang's body names no field: its message starts with it
+        return err["message"].split("=")[0].split(":")[0]
+    return err["param"]
+
+
+@pytest.mark.parametrize("path,body,status,field", BAD)
+def test_bad_input_is_the_peers_4xx(served, path, body, status, field):
+    r = httpx.post(served[1] + path, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    assert _field(path, r.json()) == field, r.text
+    if path != "/generate":  # vLLM's ErrorResponse (SkyRL reads error.message)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"} and r.json()["error"]["code"] == status
+
+
+def test_not_json_and_not_an_object(served):
+    for path in ("/skyrl/v1/generate", "/inference/v1/generate", "/v1/completions", "/generate"):
+        for content in (b"{not json", b"[1, 2]", b"7"):
+            r = httpx.post(served[1] + path, content=content, timeout=60)
+            assert r.status_code == 400 and "message" in r.json()["error"], (path, content, r.text)
+
+
+ODD = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.integers(-3, 300),
+                st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=4),
+                st.lists(st.integers(-5, 400), max_size=5), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+_ids = st.one_of(st.lists(st.integers(0, 271), min_size=1, max_size=5), ODD)
+_mt = st.one_of(st.integers(1, 3), ODD)
+BODIES = {
+    "/skyrl/v1/generate": st.fixed_dictionaries(
+        {"token_ids": _ids}, optional={"model": ODD, "sampling_params": st.one_of(st.fixed_dictionaries(
+            {"max_tokens": _mt}, optional={"temperature": ODD, "top_k": ODD, "logprobs": ODD,
+                                           "routed_experts_prompt_start": st.one_of(st.integers(0, 2), ODD)}), ODD),
+            "junk": ODD}),
+    "/v1/completions": st.fixed_dictionaries(
+        {"prompt": st.one_of(_ids, st.text(max_size=4)), "max_tokens": _mt},
+        optional={"model": st.one_of(st.just("tiny"), ODD), "temperature": ODD, "seed": ODD, "logprobs": ODD,
+                  "return_routed_experts": ODD, "routed_experts_prompt_start": st.one_of(st.integers(0, 2), ODD),
+                  "stop_token_ids": ODD, "junk": ODD}),
+    "/generate": st.fixed_dictionaries(
+        {"input_ids": _ids}, optional={"sampling_params": st.one_of(st.fixed_dictionaries(
+            {"max_new_tokens": _mt}, optional={"top_p": ODD, "top_k": ODD, "sampling_seed": ODD}), ODD),
+            "return_routed_experts": ODD, "routed_experts_start_len": st.one_of(st.integers(0, 2), ODD),
+            "return_logprob": ODD, "text": ODD, "junk": ODD}),
+    "/detokenize": st.fixed_dictionaries({"tokens": _ids}, optional={"model": ODD}),
+    "/tokenize": st.fixed_dictionaries({"prompt": st.one_of(st.text(max_size=4), ODD)}, optional={"model": ODD}),
+}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(path=st.sampled_from(sorted(BODIES)), data=st.data())
+def test_fuzzed_peer_bodies_never_5xx(served, path, data):
+    obj = data.draw(BODIES[path] if path != "/skyrl/v1/generate" else
+                    st.one_of(BODIES[path], BODIES[path].map(lambda b: {**b, "sampling_params": {"max_tokens": 2}})))
+    r = httpx.post(served[1] + path, content=json.dumps(obj, allow_nan=True).encode(), timeout=60)
+    event(f"{path} HTTP {r.status_code}")
+    assert r.status_code in (200, 400, 404), r.text
+    body = r.json()
+    if r.status_code != 200:
+        assert body["error"]["message"], r.text
+    elif path in ("/skyrl/v1/generate", "/v1/completions"):
+        assert 1 <= len(body["choices"][0]["token_ids"] or [0]) <= 64
+    elif path == "/generate":
+        assert 1 <= len(body["output_ids"]) <= 128
+
+
+def test_tokenizer_endpoints_and_their_absence(serve_helpers):
+    engine = serve_helpers.FakeEngine()
+    with serve_helpers.thread_server(create_app(engine, tokenizer=ByteTokenizer(), served_model_name="m")) as srv:
+        r = httpx.post(srv.url + "/tokenize", json={"model": "m", "prompt": "Hi!"})
+        assert r.json() == {"count": 3, "max_model_len": 64, "tokens": [72, 105, 33], "token_strs": None}
+        assert httpx.post(srv.url + "/detokenize", json={"model": "m", "tokens": [72, 105]}).json() == {"prompt": "Hi"}
+        r = httpx.post(srv.url + "/finish_session", params={"session_id": "nobody"})
+        assert r.status_code == 200 and r.json()["known"] is False
+    with serve_helpers.thread_server(create_app(engine)) as srv:
+        for path, body, field in (("/detokenize", {"tokens": [1]}, "tokens"), ("/tokenize", {"prompt": "x"}, "prompt"),
+                                  ("/v1/completions", {"prompt": "x"}, "prompt"), ("/generate", {"text": "x"}, None)):
+            r = httpx.post(srv.url + path, json=body)
+            assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"], (path, r.text)
+            if field is not None:
+                assert r.json()["error"]["param"] == field
+
+
+def test_openapi_documents_every_endpoint_and_auth_covers_them(serve_helpers):
+    engine = serve_helpers.FakeEngine()
+    app = create_app(engine, api_key="k", served_model_name="m")
+    routes = {r.path for r in app.routes if getattr(r, "include_in_schema", False)}
+    with serve_helpers.thread_server(app) as srv:
+        spec = httpx.get(srv.url + "/openapi.json").json()  # no token needed
+        assert routes <= set(spec["paths"]) and {"/skyrl/v1/generate", "/inference/v1/generate", "/v1/completions",
+                                                 "/v1/models", "/generate", "/tokenize", "/detokenize"} <= routes
+        sky = spec["paths"]["/skyrl/v1/generate"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert {"token_ids", "model", "sampling_params"} <= set(sky["properties"])
+        assert "routed_experts_prompt_start" in sky["properties"]["sampling_params"]["properties"]
+        sg = spec["paths"]["/generate"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert {"input_ids", "return_routed_experts", "routed_experts_start_len"} <= set(sg["properties"])
+        vl = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert {"prompt", "routed_experts_prompt_start", "return_routed_experts"} <= set(vl["properties"])
+        for path in ("/skyrl/v1/generate", "/v1/completions", "/generate", "/detokenize"):
+            assert httpx.post(srv.url + path, json={}).status_code == 401, path
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        req = GenerateRequest([1, 2], max_tokens=2, return_routed_experts=True)
+        info = {"num_experts": 8, "top_k": 2, "moe_layer_ids": [1, 2], "vocab_size": 272}
+        for protocol in ("skyrl", "vllm", "sglang"):
+            with RemoteInferenceClient(srv.url, protocol=protocol, api_key="k", model="m", model_info=info) as c:
+                [out] = c.generate([req])
+            assert out.routed_experts.shape == (3, 2, 2)
+            with RemoteInferenceClient(srv.url, protocol=protocol, model="m", model_info=info) as c, \
+                    pytest.raises(RemoteInputError) as e:
+                c.generate([req])
+            assert e.value.status == 401
