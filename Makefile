@@ -31,7 +31,7 @@ demo: $(STAMP)
 
 # Every experiment script (tables on stdout, JSON/PNG under experiments/results/). Slow on CPU.
 bench: $(STAMP)
-	for m in bench_model bench_trace bench_decode bench_serve transfer_cost replay_mismatch bench_scan bench_multiprocess; do \
+	for m in bench_model bench_trace bench_decode bench_serve transfer_cost replay_mismatch bench_scan bench_multiprocess bench_ep; do \
 	  $(VENV)/bin/python -m experiments.$$m $(BENCH_ARGS) || exit 1; done
 
 clean:

@@ -12,6 +12,7 @@ import math
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -48,6 +49,20 @@ def make_mesh(data: int = -1, fsdp: int = 1, expert: int = 1, devices: Sequence[
                          f"(the device count)")
     return jax.make_mesh(tuple(sizes.values()), AXES, axis_types=(axis_type,) * len(AXES),
                          devices=devices)
+
+
+@jax.jit
+def _fresh(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+def place_copy(tree: Any, shardings: Any) -> Any:
+    """``tree`` placed as ``shardings`` in buffers of its own. ``jax.device_put(..., may_alias=False)``
+    alone still aliases the source's buffer on its own device when the target is replicated over
+    several devices (JAX 0.10.2); a donated train step would then delete the other side's array (the
+    engine's weights after an in-process sync, or the model's). So the copy is a jitted one: one
+    cached program per tree of shapes and shardings."""
+    return _fresh(jax.device_put(tree, shardings))
 
 
 def batch_multiple(mesh: Mesh) -> int:

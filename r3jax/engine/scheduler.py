@@ -166,9 +166,10 @@ class Scheduler:
                 self.n_gen[s] = 1
             try:
                 eng.prefill(take, slot_ids)
-            except Exception:
-                for s in slot_ids:
+            except Exception as e:  # these jobs are in no slot now: fail them here, or they would wait forever
+                for job, s in zip(take, slot_ids):
                     self.slots[s] = None
+                    _settle(job.future, error=e)
                 raise
             now = time.perf_counter()
             eng._ttft.extend(now - j.submitted for j in take)

@@ -24,6 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from models.stacking import is_stacked
+from r3jax.sharding import place_copy
 
 AXES = ("data", "tensor", "expert")
 _EXPERT = ("gate_proj", "up_proj", "down_proj")
@@ -115,11 +116,13 @@ class Placement:
         return (None,) * len(shape)
 
     def params(self, tree, like=None):
-        """Own copies of the parameter arrays, placed by :meth:`param_spec` (or like ``like``'s leaves)."""
+        """Own copies of the parameter arrays (never views of the caller's, which a donated train step
+        may delete), placed by :meth:`param_spec` (or like ``like``'s leaves)."""
         if like is not None:
-            return jax.tree.map(lambda x, old: jax.device_put(x, old.sharding, may_alias=False), tree, like)
-        return jax.tree_util.tree_map_with_path(
-            lambda p, x: jax.device_put(x, self.sharding(*self.param_spec(p, x)), may_alias=False), tree)
+            shardings = jax.tree.map(lambda old: old.sharding, like)
+        else:
+            shardings = jax.tree_util.tree_map_with_path(lambda p, x: self.sharding(*self.param_spec(p, x)), tree)
+        return place_copy(tree, shardings)
 
     # ---- slot state ----------------------------------------------------------------------------
     def kv(self, rows: int, *, by_row: bool) -> jax.sharding.Sharding:

@@ -141,3 +141,31 @@ def test_push_to_engine_advances_weight_version(tiny, engine, rollout_batch, mak
     new_m = train.eval_step(state, batch)
     assert float(new_m["mean_abs_delta"]) < 1e-5 and float(new_m["live_routing_disagreement"]) == 0.0
     assert float(train.eval_step(old, batch)["mean_abs_delta"]) > 1e-4
+
+
+def test_in_process_sync_to_a_multi_device_engine_survives_donated_train_steps(tiny, tx, rollout_batch8):
+    """The engine owns copies: a trainer replicated over 8 devices pushes to an engine on a 2-device
+    mesh, then donated train steps run; before, the engine's device-0 buffers were views of the
+    trainer's and were deleted with them ("Array has been deleted" in the engine's next prefill)."""
+    from r3jax.engine import Engine, GenerateRequest
+    from r3jax.engine.sharding import make_mesh as engine_mesh
+    from r3jax.sharding import make_mesh, shard_batch
+
+    cfg, model = tiny
+    engine = Engine(model, mesh=engine_mesh(data=2, devices=jax.devices()[:2]), max_seq_len=32, max_batch_size=2,
+                    prefix_cache_bytes=0, block_size=8, prefill_chunk=16, min_prefill_chunk=16, min_seq_bucket=32,
+                    moe_impl="dense")
+    try:
+        mesh = make_mesh(data=-1)
+        state = train.init_train_state(model, tx, mesh=mesh)
+        req = GenerateRequest([1, 2, 3], max_tokens=3, temperature=0.0, return_routed_experts=True)
+        for _ in range(2):
+            version = train.push_to_engine(engine, state)
+            state, _ = train.train_step(state, shard_batch(rollout_batch8, mesh), replay="rollout")  # donates
+            [out] = engine.generate([req])
+            assert out.weight_version == version and len(out.output_ids) == 3
+        reference = models.MoeTransformer(cfg, rngs=nnx.Rngs(0))
+        nnx.update(reference, jax.device_get(params_io.weights_of(state)))
+        assert not _same(nnx.state(reference, nnx.Param), nnx.state(model, nnx.Param))  # training moved them
+    finally:
+        engine.close()
