@@ -22,7 +22,11 @@ class LossConfig:
     surrogate's ratio is taken against the trainer's own (stop-gradient) logprobs and every token
     is weighted by ``min(π_train / π_rollout, C)`` (stop-gradient). kl_coef: weight of the k3 KL to
     a reference policy (needs ``ref_logprobs``). aux_coef: weight of the router load-balancing
-    loss; None takes the model's ``router_aux_loss_coef``.
+    loss; None takes the model's ``router_aux_loss_coef``. bias_update_rate: DeepSeek-V3's
+    auxiliary-loss-free balancing for ``sigmoid_bias_grouped`` routers: after each train step every
+    MoE layer's ``router_bias`` (selection only, outside the gradient) moves by
+    ``rate * sign(mean load - load)`` from that step's ``expert_load`` (under replay: the replayed
+    experts over captured tokens); 0 leaves the biases alone.
     """
 
     clip_eps: float = 0.2
@@ -30,6 +34,7 @@ class LossConfig:
     tis_cap: float | None = None
     kl_coef: float = 0.0
     aux_coef: float | None = None
+    bias_update_rate: float = 0.0
 
     def __post_init__(self):
         checks = [
@@ -38,6 +43,7 @@ class LossConfig:
             ("tis_cap", self.tis_cap is None or self.tis_cap >= 1.0, "None or >= 1"),
             ("kl_coef", self.kl_coef >= 0.0, ">= 0"),
             ("aux_coef", self.aux_coef is None or self.aux_coef >= 0.0, "None or >= 0"),
+            ("bias_update_rate", self.bias_update_rate >= 0.0, ">= 0"),
         ]
         for name, ok, expected in checks:
             if not ok:

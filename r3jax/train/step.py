@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from models import Replay
+from models import Replay, routers
 from r3jax import metrics as mm
 from r3jax.train import partition
 from r3jax.train.loss import LossConfig, policy_loss, token_logprobs
@@ -70,8 +70,20 @@ def forward_metrics(params, state: TrainState, batch, replay: str, config: LossC
     metrics.update(stats)
     metrics["entropy"] = mm.target_entropy(jax.lax.stop_gradient(out.logits), batch.loss_mask)
     metrics.update(loss=loss, aux_loss=out.aux_loss,
-                   num_targets=jnp.sum((batch.loss_mask > 0).astype(jnp.float32)))
+                   num_targets=jnp.sum((batch.loss_mask > 0).astype(jnp.float32)),
+                   expert_load_imbalance=_imbalance(out.expert_load))
+    metrics[_LOAD] = out.expert_load  # for the bias update; not a reported metric
     return loss, metrics
+
+
+_LOAD = "_expert_load"
+
+
+def _imbalance(load):
+    """Mean over MoE layers of max(load) / mean(load) (1 = perfectly balanced) [L, E] -> scalar."""
+    if load.shape[0] == 0:
+        return jnp.ones((), jnp.float32)
+    return jnp.mean(jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9))
 
 
 def _train_impl(state: TrainState, batch, ref_logprobs, trainer_routes, *, replay: str, config: LossConfig):
@@ -80,13 +92,19 @@ def _train_impl(state: TrainState, batch, ref_logprobs, trainer_routes, *, repla
     updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics["grad_norm"] = optax.tree.norm(grads)
+    load = metrics.pop(_LOAD)
+    rest = state.rest
+    if config.bias_update_rate > 0:
+        rest = routers.update_state_biases(rest, load, state.model().moe_layer_ids, config.bias_update_rate)
     rng, _ = jax.random.split(state.rng)
-    new = state.replace(params=params, opt_state=opt_state, step=state.step + 1, rng=rng)
+    new = state.replace(params=params, rest=rest, opt_state=opt_state, step=state.step + 1, rng=rng)
     return new, metrics
 
 
 def _eval_impl(state: TrainState, batch, ref_logprobs, trainer_routes, *, replay: str, config: LossConfig):
-    return forward_metrics(state.params, state, batch, replay, config, ref_logprobs, trainer_routes)[1]
+    metrics = forward_metrics(state.params, state, batch, replay, config, ref_logprobs, trainer_routes)[1]
+    metrics.pop(_LOAD)
+    return metrics
 
 
 def _record_impl(state: TrainState, batch):

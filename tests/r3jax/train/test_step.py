@@ -159,3 +159,35 @@ def test_host_validation_errors(tiny, rollout_batch, tx, train_cfg):
     explicit = make_mesh(8, 1, 1, axis_type=jax.sharding.AxisType.Explicit)
     with pytest.raises(ValueError, match=r"mesh.axis_types=.*expected all AxisType.Auto"):
         train.init_train_state(model, tx, mesh=explicit)
+
+
+def test_bias_update_rate_moves_the_router_biases_by_the_replayed_load(tx, rollout_batch):
+    """DeepSeek-V3's loss-free balancing in the train step: biases move by rate * sign(mean - load) of
+    the load the step's forward counted (replayed experts over captured tokens), independently
+    recomputed here; rate 0 leaves them alone."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models import MoeConfig, MoeTransformer, Replay
+    from models.routers import RouterBias
+
+    cfg = MoeConfig.tiny().replace(router="sigmoid_bias_grouped", n_group=2, topk_group=1)
+    model = MoeTransformer(cfg, rngs=nnx.Rngs(0))
+    b = rollout_batch
+    captured = jnp.asarray(b.route_mask, bool)
+    out = model(jnp.asarray(b.tokens), jnp.asarray(b.positions), replay=Replay(jnp.asarray(b.routes), captured),
+                segment_ids=jnp.asarray(b.segment_ids), token_mask=(jnp.asarray(b.segment_ids) > 0) & captured)
+    load = np.asarray(out.expert_load)  # [L, E] counted by the same forward, outside the step
+    assert load.sum() > 0 and (load != load.mean(-1, keepdims=True)).any()
+    biases = lambda s: np.asarray(jax.tree.leaves(nnx.split_state(s.rest, RouterBias, ...)[0])[0])
+    rate = 0.01
+    for r in (0.0, rate):
+        state = train.init_train_state(model, tx)
+        before = biases(state)
+        state, m = train.train_step(state, b, replay="rollout", config=train.LossConfig(bias_update_rate=r))
+        want = before + r * np.sign(load.mean(-1, keepdims=True) - load)
+        np.testing.assert_allclose(biases(state), want, atol=1e-7)
+        assert float(m["expert_load_imbalance"]) == pytest.approx(
+            float(np.mean(load.max(-1) / load.mean(-1))), rel=1e-5)
+    with pytest.raises(ValueError, match=r"LossConfig.bias_update_rate=-1.0: expected >= 0"):
+        train.LossConfig(bias_update_rate=-1.0)
