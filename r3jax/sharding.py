@@ -8,6 +8,7 @@ placed inputs, under ``jax.jit`` with or without ``jax.set_mesh(mesh)``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Sequence
 
@@ -51,18 +52,22 @@ def make_mesh(data: int = -1, fsdp: int = 1, expert: int = 1, devices: Sequence[
                          devices=devices)
 
 
-@jax.jit
-def _fresh(tree):
-    return jax.tree.map(jnp.copy, tree)
+@functools.lru_cache(maxsize=256)
+def _copier(shardings: tuple) -> Any:
+    """A jitted copy of a list of arrays onto exactly ``shardings`` (one program per list of shapes)."""
+    return jax.jit(lambda leaves: [jnp.copy(x) for x in leaves], out_shardings=list(shardings))
 
 
 def place_copy(tree: Any, shardings: Any) -> Any:
     """``tree`` placed as ``shardings`` in buffers of its own. ``jax.device_put(..., may_alias=False)``
     alone still aliases the source's buffer on its own device when the target is replicated over
     several devices (JAX 0.10.2); a donated train step would then delete the other side's array (the
-    engine's weights after an in-process sync, or the model's). So the copy is a jitted one: one
-    cached program per tree of shapes and shardings."""
-    return _fresh(jax.device_put(tree, shardings))
+    engine's weights after an in-process sync, or the model's). So the copy is a jitted one, with the
+    requested shardings exactly (not just equivalent ones) on its outputs."""
+    leaves, treedef = jax.tree.flatten(jax.device_put(tree, shardings))
+    if not leaves:
+        return jax.tree.unflatten(treedef, leaves)
+    return jax.tree.unflatten(treedef, _copier(tuple(x.sharding for x in leaves))(leaves))
 
 
 def batch_multiple(mesh: Mesh) -> int:
