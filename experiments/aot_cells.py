@@ -67,11 +67,19 @@ def _abstract(tree, shardings):
 
 # ---- meshes --------------------------------------------------------------------------------------
 def train_layout(cfg: MoeConfig, chips: int) -> tuple[int, int, int]:
-    """(data, fsdp, expert) of the trainer's mesh: every chip on ``fsdp``. The batch splits over
-    data x fsdp (r3jax.sharding.BATCH_AXES), so this splits both the parameters and the batch
-    ``chips`` ways; the expert axis (under plain jit the partitioner gathers expert-split weights)
-    stays 1."""
-    return (1, chips, 1)
+    """(data, fsdp, expert) of the trainer's mesh.
+
+    While the batch splits over data x fsdp only (r3jax.sharding.BATCH_AXES without "expert"), an
+    expert axis would hold a copy of every activation, so every chip goes on ``fsdp``. Once the batch
+    also splits over ``expert`` (the expert-parallel trainer), ``expert`` takes the largest power of
+    two <= 8 that divides the chips and leaves >= 2 experts per expert shard (libtpu 0.0.42 fails to
+    compile the ragged_dot gradient for a lone expert per chip), the rest goes on ``fsdp``."""
+    if "expert" not in batch_axes.BATCH_AXES:
+        return (1, chips, 1)
+    e = 1
+    while e * 2 <= 8 and chips % (e * 2) == 0 and cfg.num_experts % (e * 2) == 0 and cfg.num_experts // (e * 2) >= 2:
+        e *= 2
+    return (1, chips // e, e)
 
 
 def decode_layout(cfg: MoeConfig, chips: int, slots: int, seq_len: int) -> tuple[int, int, int]:

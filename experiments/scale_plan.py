@@ -52,6 +52,9 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--rows-per-chip", type=int, default=1, help="train minibatch rows per batch shard")
     ap.add_argument("--decode-steps", type=int, default=8)
+    ap.add_argument("--remat", default="full",
+                    help="MoeConfig.remat of the train step where the model has it (per-layer activation "
+                         "checkpointing; the decode step never differentiates)")
     ap.add_argument("--cell-timeout", type=float, default=1200.0, help="seconds per cell (its own process)")
     ap.add_argument("--rerun", action="store_true", help="recompute cells already in the results file")
     ap.add_argument("--retry-timeouts", action="store_true", help="recompute cells that timed out before")
@@ -74,8 +77,17 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+def with_remat(cfg, remat: str | None):
+    """``cfg`` with ``remat`` where MoeConfig has that field (scanned layers), else unchanged."""
+    import dataclasses
+
+    if remat is None or "remat" not in {f.name for f in dataclasses.fields(cfg)}:
+        return cfg
+    return cfg.replace(remat=remat)
+
+
 def run_cell(cfg, topo_name: str, program: str, *, backend: str, rl_batch: int, seq_len: int,
-             rows_per_chip: int = 1, decode_steps: int = 8, layout=None) -> dict:
+             rows_per_chip: int = 1, decode_steps: int = 8, layout=None, remat: str | None = None) -> dict:
     """One cell in this process: build the abstract program, compile it, report per chip.
 
     ``cfg`` is a MoeConfig (or a preset name). The result has the cell's key fields, the mesh, the
@@ -85,6 +97,8 @@ def run_cell(cfg, topo_name: str, program: str, *, backend: str, rl_batch: int, 
 
     name = cfg if isinstance(cfg, str) else None
     cfg = MoeConfig.preset(cfg) if isinstance(cfg, str) else cfg
+    if program == "train":
+        cfg = with_remat(cfg, remat)
     topo = topologies.topology(topo_name)
     t0 = time.perf_counter()
     devs = topologies.devices(topo, backend)
@@ -112,6 +126,7 @@ def run_cell(cfg, topo_name: str, program: str, *, backend: str, rl_batch: int, 
     return {"model": name or "custom", "topology": topo.name, "program": program, "backend": backend,
             "commit": _commit(),
             "chips": topo.chips, "hbm_bytes": topo.hbm_bytes, "rl_batch": rl_batch, "seq_len": seq_len,
+            "remat": getattr(cfg, "remat", None), "scan_layers": getattr(cfg, "scan_layers", None),
             "num_moe_layers": cfg.num_moe_layers, "top_k": cfg.top_k, "num_experts": cfg.num_experts,
             "build_s": build_s, **info, **report}
 
@@ -136,6 +151,7 @@ def cell_key(c: dict) -> tuple:
 # ---- driver --------------------------------------------------------------------------------------
 def _child_env(backend: str, chips: int) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")  # libtpu compiles for the topology; no TPU is opened
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # compile seconds are measured: no persistent cache
     if backend == "cpu":
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={chips}").strip()
     return env
@@ -144,7 +160,7 @@ def _child_env(backend: str, chips: int) -> dict:
 def _spawn(a, backend: str, model: str, topo, program: str) -> dict:
     cmd = [sys.executable, "-m", "experiments.scale_plan", "--cell", f"{model},{topo.name},{program}",
            "--backend", backend, "--rl-batch", str(a.rl_batch), "--seq-len", str(a.seq_len),
-           "--rows-per-chip", str(a.rows_per_chip), "--decode-steps", str(a.decode_steps)]
+           "--rows-per-chip", str(a.rows_per_chip), "--decode-steps", str(a.decode_steps), "--remat", a.remat]
     base = {"model": model, "topology": topo.name, "program": program, "backend": backend, "chips": topo.chips,
             "hbm_bytes": topo.hbm_bytes, "rl_batch": a.rl_batch, "seq_len": a.seq_len}
     t0 = time.perf_counter()
@@ -216,7 +232,7 @@ def _write(path: Path, a, backend: str, cells: list[dict]) -> None:
 
     payload = {"environment": environment(), "backend": backend,
                "settings": {"rl_batch": a.rl_batch, "seq_len": a.seq_len, "rows_per_chip": a.rows_per_chip,
-                            "decode_steps": a.decode_steps, "cell_timeout_s": a.cell_timeout,
+                            "decode_steps": a.decode_steps, "remat": a.remat, "cell_timeout_s": a.cell_timeout,
                             "optimizer": "optax.adamw (mu, nu in the parameter dtype)", "replay": "rollout (R3)"},
                "note": "compile seconds on a shared 2-core CPU host (other jobs running): an upper bound",
                "cells": cells, "smallest_fitting": smallest_fitting(cells)}
@@ -232,7 +248,7 @@ def main(argv=None) -> int:
     if a.cell:
         model, topo, program = a.cell.split(",")
         c = run_cell(model, topo, program, backend=backend, rl_batch=a.rl_batch, seq_len=a.seq_len,
-                     rows_per_chip=a.rows_per_chip, decode_steps=a.decode_steps)
+                     rows_per_chip=a.rows_per_chip, decode_steps=a.decode_steps, remat=a.remat)
         print(_MARK + json.dumps(c, default=str), flush=True)
         return 0
     from experiments.common import RESULTS, table

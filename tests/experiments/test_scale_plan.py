@@ -1,11 +1,15 @@
 """experiments/scale_plan.py on a tiny config: the CPU-simulated mesh path always, the real TPU
 topology path (libtpu's ahead-of-time compiler) only where the tpu-aot extra is installed."""
 
+import math
+
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from experiments import aot_cells, scale_plan, topologies
 from models import MoeConfig
+from r3jax.sharding import AXES, BATCH_AXES
 
 CFG = MoeConfig.tiny()  # f32: 4 bytes per parameter
 L, K = CFG.num_moe_layers, CFG.top_k
@@ -30,15 +34,16 @@ def cpu_decode():
 def test_train_cell_on_a_simulated_cpu_mesh(cpu_train):
     c = cpu_train
     assert c["status"] == "fits", c.get("error")
-    assert (c["chips"], c["mesh"]) == (4, {"data": 1, "fsdp": 4, "expert": 1})
-    # every tiny tensor has a dim divisible by 4, so fsdp=4 splits all of them exactly
+    assert c["chips"] == 4 and c["mesh"] == dict(zip(AXES, aot_cells.train_layout(CFG, 4)))
+    assert math.prod(c["mesh"].values()) == 4
+    # every tiny tensor has a dim divisible by 4, and the parameters split over all 4 chips
     assert c["params_total_bytes"] == CFG.param_count() * 4
     assert c["params_bytes"] == CFG.param_count() * 4 // 4
     assert c["optimizer_bytes"] == 2 * c["params_bytes"] + 4  # AdamW mu, nu and an int32 step count
     # the RL batch's routes [B, S, L, K] uint8, split by rows over data x fsdp
     assert c["routes_total_bytes"] == RL_BATCH * SEQ * L * K
     assert c["routes_bytes"] == RL_BATCH * SEQ * L * K // 4
-    assert c["routes_sharding"] == {"spec": "P(('data', 'fsdp'),)", "global_shape": [RL_BATCH, SEQ, L, K],
+    assert c["routes_sharding"] == {"spec": str(P(BATCH_AXES)), "global_shape": [RL_BATCH, SEQ, L, K],
                                     "chip_shape": [RL_BATCH // 4, SEQ, L, K], "dtype": "uint8"}
     assert c["minibatch_rows"] == 4 and c["minibatch_routes_bytes"] == SEQ * L * K  # one row per chip
     assert c["peak_bytes"] > 0 and c["compile_s"] > 0
