@@ -82,59 +82,31 @@ def train_layout(cfg: MoeConfig, chips: int) -> tuple[int, int, int]:
     return (1, chips // e, e)
 
 
-def decode_layout(cfg: MoeConfig, chips: int, slots: int, seq_len: int) -> tuple[int, int, int]:
-    """(data, tensor, expert) of the engine's mesh with the fewest resident bytes per chip
-    (parameters + slot state, from :class:`Placement`'s rules), ties to the larger data axis.
-
-    Candidates keep >= 2 experts per chip (libtpu 0.0.42 fails on a lone expert per chip) and
-    tensor a divisor of the kv heads (the KV cache splits by kv head)."""
-    best = None
+def decode_layouts(cfg: MoeConfig, chips: int, slots: int) -> list[tuple[int, int, int]]:
+    """Every (data, tensor, expert) factorisation of ``chips`` the engine can use: tensor divides the
+    kv heads (the KV cache splits by kv head), data divides the slots, and each expert shard keeps
+    >= 2 experts (libtpu 0.0.42 fails on a lone expert per chip)."""
+    out = []
     for t in _divisors(chips):
         for e in _divisors(chips // t):
             d = chips // (t * e)
-            if cfg.num_kv_heads % t or cfg.num_experts % e or cfg.num_experts // e < 2 or slots % d:
-                continue
-            b = _decode_resident_bytes(cfg, (d, t, e), slots, seq_len)
-            key = (b, -d, t)
-            if best is None or key < best[0]:
-                best = (key, (d, t, e))
-    if best is None:
+            if cfg.num_kv_heads % t == 0 and cfg.num_experts % e == 0 and cfg.num_experts // e >= 2 and slots % d == 0:
+                out.append((d, t, e))
+    if not out:
         raise ValueError(f"no (data, tensor, expert) layout of {chips} chips fits slots={slots}, "
                          f"num_kv_heads={cfg.num_kv_heads}, num_experts={cfg.num_experts}")
-    return best[1]
+    return out
 
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-class _ShapeMesh:
-    """A stand-in with a mesh's ``axis_names`` and ``devices.shape`` (Placement reads only these)."""
-
-    def __init__(self, sizes):
-        self.axis_names, self.devices = ("data", "tensor", "expert"), np.empty(sizes, dtype=object)
-
-
-def _decode_resident_bytes(cfg, sizes, slots, seq_len) -> int:
-    # Placement's rules give per-dim axes; the per-chip bytes follow from the axis sizes alone.
-    p = Placement(None, cfg)
-    p._sizes = dict(zip(("data", "tensor", "expert"), sizes))
-    model = nnx.eval_shape(lambda: MoeTransformer(cfg, rngs=nnx.Rngs(0)))
-    _, params, _ = nnx.split(model, nnx.Param, ...)
-    size = dict(p._sizes)
-
-    def per_chip(shape, spec, itemsize):
-        div = math.prod(size[a] for a in spec if a)
-        return math.prod(shape) * itemsize // div
-
-    total = sum(per_chip(x.shape, p.param_spec(path, x), np.dtype(x.dtype).itemsize)
-                for path, x in jax.tree_util.tree_leaves_with_path(params))
-    kv_shape = (slots, seq_len, cfg.num_kv_heads, cfg.head_dim)
-    kv_spec = (p._axis("data", slots), None, p._axis("tensor", cfg.num_kv_heads), None)
-    total += 2 * cfg.num_layers * per_chip(kv_shape, kv_spec, np.dtype(cfg.dtype).itemsize)
-    routes = (slots, seq_len, cfg.num_moe_layers, cfg.top_k)
-    total += per_chip(routes, (p._axis("data", slots),), route_dtype(cfg.num_experts).itemsize)
-    return total
+def _placed(place: Placement, params, rest, state):
+    params = _abstract(params, jax.tree_util.tree_map_with_path(
+        lambda p, x: place.sharding(*place.param_spec(p, x)), params))
+    rest = _abstract(rest, jax.tree.map(lambda _: place.replicated, rest))
+    return params, rest, _abstract(state, place.state(state))
 
 
 # ---- programs ------------------------------------------------------------------------------------
@@ -173,29 +145,32 @@ def train_program(cfg: MoeConfig, devices, *, rows: int, seq_len: int, rl_batch:
 def decode_program(cfg: MoeConfig, devices, *, slots: int, seq_len: int, decode_steps: int = 8,
                    block_size: int = 16, stop_width: int = 64, layout=None):
     """The engine's decode program over ``slots`` slots of a ``seq_len`` cache, every slot live and
-    the attention window the whole cache (its largest bucket); returns ``(jitted, args, info)``."""
+    the attention window the whole cache (its largest bucket); returns ``(jitted, args, info)``.
+
+    ``layout`` (data, tensor, expert) defaults to the one of :func:`decode_layouts` with the fewest
+    resident bytes per chip (parameters + slot state as :class:`Placement` places them), ties to the
+    larger data axis."""
     seq = round_up(seq_len, block_size)  # as Engine: the cache length is whole prefix-cache blocks
-    layout = decode_layout(cfg, len(devices), slots, seq) if layout is None else tuple(layout)
-    mesh = engine_mesh(*layout, devices=devices)
-    place = Placement(mesh, cfg)
     model = nnx.eval_shape(lambda: MoeTransformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    params = _abstract(params, jax.tree_util.tree_map_with_path(
-        lambda p, x: place.sharding(*place.param_spec(p, x)), params))
-    rest = _abstract(rest, jax.tree.map(lambda _: place.replicated, rest))
     rdt = route_dtype(cfg.num_experts)
     state = jax.eval_shape(functools.partial(dev.init_state, cfg, rdt, slots=slots, seq_len=seq,
                                              stop_width=stop_width))
-    state_sh = place.state(state)
-    state = _abstract(state, state_sh)
+    candidates = decode_layouts(cfg, len(devices), slots) if layout is None else [tuple(layout)]
+    scored = []
+    for lay in candidates:
+        place = Placement(engine_mesh(*lay, devices=devices), cfg)
+        placed = _placed(place, params, rest, state)
+        scored.append(((chip_bytes(placed[0]) + chip_bytes(placed[2]), -lay[0], lay[1]), lay, place, placed))
+    _, layout, place, (params, rest, state) = min(scored, key=lambda s: s[0])
     idx = jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=place.replicated)
     fn = functools.partial(dev.decode, graphdef, steps=decode_steps, window=seq)
-    jitted = jax.jit(fn, donate_argnums=(2,), out_shardings=state_sh)  # as Engine._build_decode
+    jitted = jax.jit(fn, donate_argnums=(2,), out_shardings=place.state(state))  # as Engine._build_decode
     info = {"mesh": dict(zip(("data", "tensor", "expert"), layout)), "params_bytes": chip_bytes(params),
             "optimizer_bytes": 0, "params_total_bytes": full_bytes(params), "slots": slots,
             "kv_cache_bytes": chip_bytes(state.cache), "routes_bytes": chip_bytes(state.routes),
             "routes_total_bytes": full_bytes(state.routes), "slot_state_bytes": chip_bytes(state),
-            "routes_sharding": describe_sharding(state.routes)}
+            "routes_sharding": describe_sharding(state.routes), "layouts_considered": len(candidates)}
     return jitted, (params, rest, state, idx), info
 
 

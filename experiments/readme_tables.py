@@ -106,6 +106,12 @@ def tables() -> dict[str, str]:
                    "mean abs Δ, arm − none": f"{c['abs_delta_diff']:+.2e} ± {c['abs_delta_ci95']:.1e}: "
                                              f"{c['abs_delta_verdict']}"} for c in d["comparisons"]]
         out["REPLAY_RL"] = _t(rows, list(rows[0])) + "\n\n" + _t(paired, list(paired[0]))
+    d = _load("scale_plan")
+    if d:
+        from experiments.scale_plan import COLUMNS, smallest_lines, summary_rows
+
+        out["SCALE_PLAN"] = _t(summary_rows(d["cells"]), COLUMNS) + "\n\n" + "\n".join(
+            f"- {line}" for line in smallest_lines(d["cells"]))
     d = _load("demo_summary")
     if d:
         cols = ["run", "seeds", "steps", "reward_first", "reward_last", "collapses", "k3_kl", "mean_abs_delta",

@@ -221,6 +221,18 @@ def smallest_fitting(cells: list[dict]) -> dict[str, dict]:
     return out
 
 
+def smallest_lines(cells: list[dict]) -> list[str]:
+    """One sentence per (model, program): the smallest topology it fits and where it ran out of HBM."""
+    lines = []
+    for k, v in smallest_fitting(cells).items():
+        s = v["smallest"]
+        where = f"{s['topology']} ({s['chips']} chips)" if s else "none of those compiled"
+        lines.append(f"{k}: smallest fitting {where}; "
+                     f"RESOURCE_EXHAUSTED on {', '.join(v['resource_exhausted']) or 'none'}"
+                     + (f"; not compiled: {', '.join(v['not_compiled'])}" if v["not_compiled"] else ""))
+    return lines
+
+
 def _load(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -277,11 +289,7 @@ def main(argv=None) -> int:
                 _write(path, a, backend, cells)
     _write(path, a, backend, cells)
     print(table(summary_rows(cells), COLUMNS))
-    for k, v in smallest_fitting(cells).items():
-        s = v["smallest"]
-        print(f"{k}: smallest fitting {s['topology'] if s else 'none of those compiled'}; "
-              f"RESOURCE_EXHAUSTED on {', '.join(v['resource_exhausted']) or 'none'}"
-              + (f"; not compiled: {', '.join(v['not_compiled'])}" if v["not_compiled"] else ""))
+    print("\n".join(smallest_lines(cells)))
     print(f"wrote {path}")
     return 0
 

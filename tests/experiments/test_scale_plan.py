@@ -58,9 +58,14 @@ def test_decode_cell_on_a_simulated_cpu_mesh(cpu_decode):
     kv = 2 * CFG.num_layers * RL_BATCH * SEQ * CFG.num_kv_heads * CFG.head_dim * 4
     assert c["kv_cache_bytes"] == kv // (d * t)
     assert c["routes_bytes"] == RL_BATCH * SEQ * L * K // d
-    # the layout search's analytic per-chip bytes agree with the placed leaves' shard shapes
-    est = aot_cells._decode_resident_bytes(CFG, (d, t, e), RL_BATCH, SEQ)
-    assert est == c["params_bytes"] + c["kv_cache_bytes"] + c["routes_bytes"]
+    # the layout chosen has the fewest resident bytes per chip of every layout the engine could use
+    assert (d, t, e) in aot_cells.decode_layouts(CFG, 4, RL_BATCH)
+    resident = {lay: (lambda i: i["params_bytes"] + i["slot_state_bytes"])(aot_cells.decode_program(
+        CFG, topologies.devices(topologies.topology(TOPO), "cpu"), slots=RL_BATCH, seq_len=SEQ, layout=lay)[2])
+        for lay in aot_cells.decode_layouts(CFG, 4, RL_BATCH)}
+    assert c["params_bytes"] + c["slot_state_bytes"] == min(resident.values())
+    # tensor=4 is not offered: the tiny model has 2 kv heads
+    assert all(lay[1] <= CFG.num_kv_heads for lay in resident)
 
 
 def test_summary_names_the_smallest_fitting_topology_and_the_exhausted_ones():
