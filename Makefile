@@ -31,7 +31,7 @@ demo: $(STAMP)
 
 # Every experiment script (tables on stdout, JSON/PNG under experiments/results/). Slow on CPU.
 bench: $(STAMP)
-	for m in bench_model bench_trace bench_decode bench_serve transfer_cost replay_mismatch; do \
+	for m in bench_model bench_trace bench_decode bench_serve transfer_cost replay_mismatch bench_scan bench_multiprocess; do \
 	  $(VENV)/bin/python -m experiments.$$m $(BENCH_ARGS) || exit 1; done
 
 # Memory and compile plan on real TPU topologies (experiments/scale_plan.py): a venv of its own with the

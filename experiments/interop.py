@@ -12,7 +12,8 @@ Protocols: r3jax ``/v1/generate`` (JSON wire form, and its binary framing), SkyR
    383). ``route_B_row``: bytes of the route payload in the response body ÷ rows (``÷ raw``: over the raw
    array, rows × L × K × r3jax's dtype bytes). ``encode_us_row``: the server's whole render of that answer
    (the same function the endpoint calls, to body bytes) ÷ rows; ``decode_us_row``: the client's whole
-   parse and check (``RemoteInferenceClient``'s dialect, row rule included) ÷ rows. Medians of repeats.
+   parse and check (``RemoteInferenceClient``'s dialect, row rule included) ÷ rows. Minimum over
+   repeats interleaved across protocols (pure CPU work: the minimum is the least disturbed run).
 2. **Requests/s at concurrency 8** on the tiny model over loopback HTTP: ``python -m r3jax serve`` in a
    subprocess (warmed up), one ``RemoteInferenceClient(protocol=...)`` per protocol with
    ``max_concurrency=8``, the same N requests (20-token prompts, 16 sampled tokens, fixed seeds, routes for
@@ -69,30 +70,32 @@ def render(name: str, binary: bool, out: GenerateOutput, req: GenerateRequest, l
 
 def codec_rows(repeats: int) -> list[dict]:
     rng = np.random.default_rng(0)
-    rows = []
+    cases = []
     for model, (l, k, e) in SHAPES.items():
         routes = np.stack([rng.permutation(e)[:k] for _ in range(ROWS * l)]).reshape(ROWS, l, k).astype(route_dtype(e))
         req = GenerateRequest(list(range(ROWS)), max_tokens=1, return_routed_experts=True)  # P - 0 + 1 - 1 rows
         out = GenerateOutput([7], [-0.5], "length", routes, ROWS, 0, 3, 0)
         info = ServedModel(num_experts=e, top_k=k, moe_layer_ids=tuple(range(l)))
-        raw = ROWS * l * k * routes.dtype.itemsize
         for name, binary in PROTOCOLS:
             dialect = protocols.make(name, binary_routes=binary)
             body, media, route_b = render(name, binary, out, req, list(range(l)), e)
             got = dialect.decode(body, media, req, info, "bench", {"x-weight-version": "3"})
             np.testing.assert_array_equal(got.routed_experts, routes)  # every form carries the same rows
-            enc, dec = [], []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                render(name, binary, out, req, list(range(l)), e)
-                t1 = time.perf_counter()
-                dialect.decode(body, media, req, info, "bench", {"x-weight-version": "3"})
-                t2 = time.perf_counter()
-                enc.append(t1 - t0), dec.append(t2 - t1)
-            rows.append({"model": model, "protocol": label(name, binary), "raw_B_row": raw / ROWS,
-                         "route_B_row": route_b / ROWS, "over_raw": route_b / raw, "body_B_row": len(body) / ROWS,
-                         "encode_us_row": statistics.median(enc) / ROWS * 1e6,
-                         "decode_us_row": statistics.median(dec) / ROWS * 1e6})
+            cases.append(dict(model=model, name=name, binary=binary, out=out, req=req, info=info, e=e,
+                              layers=list(range(l)), dialect=dialect, body=body, media=media, route_b=route_b,
+                              raw=routes.nbytes, enc=[], dec=[]))
+    for _ in range(repeats):  # interleaved, so a busy spell of the machine hits every protocol alike
+        for c in cases:
+            t0 = time.perf_counter()
+            render(c["name"], c["binary"], c["out"], c["req"], c["layers"], c["e"])
+            t1 = time.perf_counter()
+            c["dialect"].decode(c["body"], c["media"], c["req"], c["info"], "bench", {"x-weight-version": "3"})
+            t2 = time.perf_counter()
+            c["enc"].append(t1 - t0), c["dec"].append(t2 - t1)
+    rows = [{"model": c["model"], "protocol": label(c["name"], c["binary"]), "raw_B_row": c["raw"] / ROWS,
+             "route_B_row": c["route_b"] / ROWS, "over_raw": c["route_b"] / c["raw"],
+             "body_B_row": len(c["body"]) / ROWS, "encode_us_row": min(c["enc"]) / ROWS * 1e6,
+             "decode_us_row": min(c["dec"]) / ROWS * 1e6} for c in cases]
     for r in rows:  # ÷ r3jax's native JSON form of the same shape, same run
         base = next(b for b in rows if b["model"] == r["model"] and b["protocol"] == "r3jax")
         for key in ("route_B_row", "encode_us_row", "decode_us_row"):

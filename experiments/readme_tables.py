@@ -106,6 +106,16 @@ def tables() -> dict[str, str]:
                    "mean abs Δ, arm − none": f"{c['abs_delta_diff']:+.2e} ± {c['abs_delta_ci95']:.1e}: "
                                              f"{c['abs_delta_verdict']}"} for c in d["comparisons"]]
         out["REPLAY_RL"] = _t(rows, list(rows[0])) + "\n\n" + _t(paired, list(paired[0]))
+    d = _load("bench_scan")
+    if d:
+        out["BENCH_SCAN"] = _t(d["summary"], ["depth", "layout", "unrolled_compile_s", "scanned_compile_s", "ratio",
+                                              "unrolled_cpu_s", "scanned_cpu_s", "cpu_ratio"])
+        out["BENCH_SCAN_DECODE"] = _t(d.get("decode", []), ["depth", "layout", "B", "S", "ms_per_step",
+                                                            "scanned_over_unrolled"])
+    d = _load("bench_multiprocess")
+    if d:
+        out["BENCH_MULTIPROCESS"] = _t(d["results"], ["mesh", "B", "S", "one_ms", "one_gloo_ms", "two_ms",
+                                                      "ratio", "ratio_gloo"])
     d = _load("scale_plan")
     if d:
         from experiments.scale_plan import COLUMNS, smallest_lines, summary_rows

@@ -43,7 +43,7 @@ from r3jax import metrics as mm
 from r3jax.batch import collate
 from r3jax.demo.rollouts import make_loop
 from r3jax.demo.run import adam, warm_start
-from r3jax.params_io import params_of
+from r3jax.params_io import weights_of
 from r3jax.sharding import batch_multiple, make_mesh, shard_batch
 from r3jax.train import LossConfig, group_advantages, init_train_state, ppo_update, push_to_engine
 
@@ -96,7 +96,7 @@ def build_model(args):
 
 
 def _sync(engine, state, precision, quantize_router):
-    params = params_of(state)
+    params = weights_of(state)  # Params and router biases
     return push_to_engine(engine, quantize_int8(params, quantize_router=quantize_router)
                           if precision == "int8" else params)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from experiments.common import table, write_json
@@ -70,10 +71,11 @@ def main():
 
     def biased_model(cfg, *, rngs):  # a nonzero selection bias, so replaying it (or not) matters
         model = original(cfg, rngs=rngs)
-        for layer in model.layers:
-            if hasattr(layer.mlp, "router_bias"):
-                key = jax.random.key(args.seed + 7)
-                layer.mlp.router_bias[...] = 0.02 * jax.random.normal(key, (cfg.num_experts,))
+        bias = 0.02 * jax.random.normal(jax.random.key(args.seed + 7), (cfg.num_experts,))  # same in every layer
+        mlps = [model.moe_layers.mlp] if cfg.scan_layers else [layer.mlp for layer in model.layers]
+        for mlp in mlps:
+            if hasattr(mlp, "router_bias"):
+                mlp.router_bias[...] = jnp.broadcast_to(bias, mlp.router_bias.shape)
         return model
 
     rm.MoeTransformer = biased_model

@@ -15,6 +15,10 @@ ROUTERS = ("softmax_topk", "sigmoid_bias_grouped")
 # per-expert loop skipping unchosen experts, "gather" each chosen expert on only its tokens (decode on CPU)
 MOE_IMPLS = ("ragged", "dense", "loop", "gather")
 
+# activation checkpointing of each decoder layer (models/decoder.py): "none"; "full" saves only the layer's
+# inputs and recomputes the rest in the backward pass; "dots" also saves the matmuls without batch dims
+REMAT_MODES = ("none", "full", "dots")
+
 
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
@@ -38,6 +42,15 @@ class MoeConfig:
     ``qk_nope_head_dim + qk_rope_head_dim = head_dim``, ``v_head_dim <= head_dim``,
     ``num_kv_heads = num_heads``; the KV cache holds every head's full key and its value padded to
     ``head_dim``, so it keeps the GQA cache layout).
+
+    Layer layout (models/stacking.py): ``scan_layers=True`` (the default) stacks each run of identical
+    layers (the dense-first layers, then the MoE layers) along a leading layer axis and runs it with one
+    ``jax.lax.scan``, so compile time does not grow with depth; ``scan_layers=False`` keeps one module
+    per layer and a Python loop (for debugging; same outputs). A run of fewer than
+    ``scan_min_layers`` layers is still scanned over stacked variables but lowered unrolled
+    (``jax.lax.scan(..., unroll=n)``): on XLA:CPU a loop costs about as much compile time as four or
+    five layer bodies, so short runs compile faster without one. ``remat`` checkpoints each layer's
+    activations: one of ``REMAT_MODES``.
     """
 
     vocab_size: int = 272
@@ -79,6 +92,10 @@ class MoeConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = True
+    # layer layout and activation checkpointing
+    scan_layers: bool = True
+    scan_min_layers: int = 4
+    remat: str = "none"
 
     def __post_init__(self):
         checks = [
@@ -87,6 +104,10 @@ class MoeConfig:
             ("first_dense_layers", 0 <= self.first_dense_layers <= self.num_layers,
              f"in [0, num_layers={self.num_layers}]"),
             ("moe_impl", self.moe_impl in MOE_IMPLS, "one of " + ", ".join(map(repr, MOE_IMPLS))),
+            ("scan_layers", isinstance(self.scan_layers, bool), "a bool"),
+            ("scan_min_layers", isinstance(self.scan_min_layers, int) and not isinstance(self.scan_min_layers, bool)
+             and self.scan_min_layers >= 1, "an int >= 1"),
+            ("remat", self.remat in REMAT_MODES, "one of " + ", ".join(map(repr, REMAT_MODES))),
             ("head_dim", self.head_dim % 2 == 0, "even (RoPE rotates pairs)"),
             ("router", self.router in ROUTERS, f"one of {ROUTERS}"),
             ("n_group", self.n_group >= 1 and self.num_experts % self.n_group == 0,

@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from models.stacking import is_stacked
+
 INT8_MAX = 127
 _KEEP = ("embed", "lm_head")  # path parts never quantized (vocab tables)
 
@@ -33,10 +35,11 @@ def is_router_path(path) -> bool:
 
 
 def quantized_leaf(path, x, *, quantize_router: bool) -> bool:
-    """Whether :func:`quantize_int8` rounds the leaf at ``path``: a matmul weight (ndim >= 2) that is
-    not an embedding / LM head, and not a router unless ``quantize_router``."""
+    """Whether :func:`quantize_int8` rounds the leaf at ``path``: a matmul weight (ndim >= 2, not
+    counting the leading layer axis of stacked layers) that is not an embedding / LM head, and not a
+    router unless ``quantize_router``."""
     names = _path_names(path)
-    if jnp.ndim(x) < 2 or not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
+    if jnp.ndim(x) - is_stacked(path) < 2 or not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
         return False
     if any(n in _KEEP for n in names):
         return False
@@ -46,7 +49,8 @@ def quantized_leaf(path, x, *, quantize_router: bool) -> bool:
 def fake_quant_int8(w: jax.Array) -> jax.Array:
     """Symmetric per-output-channel int8 round trip of a weight ``[..., in, out]`` (``x @ w``).
 
-    One scale per output channel (and per leading index, e.g. per expert of ``[E, D, I]``):
+    One scale per output channel (and per leading index, e.g. per expert of ``[E, D, I]``, per layer
+    of stacked layers):
     ``s = max|w[..., :, j]| / 127``, ``w' = clip(round(w / s), -127, 127) * s`` in w's dtype. An
     all-zero channel stays zero.
     """

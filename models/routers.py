@@ -120,13 +120,18 @@ def update_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
 
 def update_state_biases(state: nnx.State, load: jax.Array, moe_layer_ids, rate: float) -> nnx.State:
     """Apply :func:`update_bias` to every MoE layer's ``router_bias`` in a model state (e.g. the
-    trainer's ``TrainState.rest``, where ``nnx.split(model, nnx.Param, ...)`` puts it).
+    trainer's ``TrainState.rest``, where ``nnx.split(model, nnx.Param, ...)`` puts it), in either
+    layer layout (models/stacking.py): the stacked ``moe_layers`` bias [L, E] or ``layers/{i}``'s [E].
 
     load [L, E] (``out.expert_load``, summed over a step); moe_layer_ids: the model's. Returns a new
     state; the input is not modified. A model without biases (softmax router) is returned as is.
     """
     pure = nnx.to_pure_dict(state)
     found = False
+    stacked = pure.get("moe_layers", {}).get("mlp", {})
+    if "router_bias" in stacked:  # [L, E]: update_bias works along the last axis
+        stacked["router_bias"] = update_bias(stacked["router_bias"], load, rate)
+        found = True
     for m, i in enumerate(moe_layer_ids):
         mlp = pure.get("layers", {}).get(i, {}).get("mlp", {})
         if "router_bias" in mlp:

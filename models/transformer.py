@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from models import stacking
 from models.cache import KVCache
 from models.config import MoeConfig
-from models.layers import Attention, DenseMLP, RMSNorm
-from models.mla import MLAttention
-from models.moe import MoeBlock
+from models.decoder import DecoderLayer, run_layers, stack_modules
+from models.layers import RMSNorm
 from models.replay import Replay
 
 _init = nnx.initializers.normal(stddev=0.02)
@@ -33,15 +33,6 @@ class ModelOutput:
     expert_load: jax.Array | None = None
 
 
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: MoeConfig, layer_id: int, *, rngs: nnx.Rngs):
-        self.is_moe = layer_id >= cfg.first_dense_layers
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
-        self.attn = MLAttention(cfg, rngs=rngs) if cfg.attention == "mla" else Attention(cfg, rngs=rngs)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
-        self.mlp = MoeBlock(cfg, rngs=rngs) if self.is_moe else DenseMLP(cfg, rngs=rngs)
-
-
 class MoeTransformer(nnx.Module):
     """``model(tokens, positions, replay=None, cache=None) -> ModelOutput``.
 
@@ -53,13 +44,22 @@ class MoeTransformer(nnx.Module):
     values, so right padding needs nothing: the real tokens get the unpadded row's logits and
     routes. Left padding needs segment_ids that give the padding its own id (e.g. 0 on padding, 1
     on the tokens); without them the real tokens would attend to the padding before them.
+
+    Layers: ``config.scan_layers`` (default) stacks the dense-first run as ``dense_layers`` and the MoE
+    run as ``moe_layers`` (leading layer axis) and runs each with one ``jax.lax.scan``; otherwise
+    ``layers[i]`` per layer and a Python loop (models/stacking.py, models/decoder.py).
     """
 
     def __init__(self, config: MoeConfig, *, rngs: nnx.Rngs):
         cfg = config
         self.config = cfg
         self.embed = nnx.Param(_init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), cfg.param_dtype))
-        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+        layers = [DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]  # one draw order for both layouts
+        if cfg.scan_layers:
+            for name, ids in stacking.layer_groups(cfg):
+                setattr(self, name, stack_modules([layers[i] for i in ids]))
+        else:
+            self.layers = nnx.List(layers)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
         if not cfg.tie_embeddings:
             self.lm_head = nnx.Param(_init(rngs.params(), (cfg.hidden_size, cfg.vocab_size), cfg.param_dtype))
@@ -68,34 +68,38 @@ class MoeTransformer(nnx.Module):
     def moe_layer_ids(self) -> tuple[int, ...]:
         return self.config.moe_layer_ids
 
+    def _group(self, name: str, ids: tuple[int, ...]):
+        """(graphdef, states) of one run of layers, as :func:`models.decoder.run_layers` takes them."""
+        if self.config.scan_layers:
+            return nnx.split(getattr(self, name))
+        return None, [nnx.split(self.layers[i]) for i in ids]
+
     def __call__(self, tokens, positions, replay: Replay | None = None, cache: KVCache | None = None,
                  *, segment_ids=None, token_mask=None) -> ModelOutput:
         cfg, dt = self.config, self.config.dtype
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
-        routes, live_routes, aux, load = [], [], [], []
+        b, t = tokens.shape
+        routes = live_routes = jnp.zeros((b, t, 0, cfg.top_k), jnp.int32)
+        aux_loss = jnp.zeros((), jnp.float32)
+        expert_load = jnp.zeros((0, cfg.num_experts), jnp.float32)
         new_k, new_v = [], []
-        for i, layer in enumerate(self.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            h, kv = layer.attn(layer.input_norm(x), positions, segment_ids, kv)
-            x = x + h
-            h = layer.post_attn_norm(x)
-            if layer.is_moe:
-                m = len(routes)
-                r_ids = None if replay is None else replay.routes[:, :, m]
-                r_mask = None if replay is None else replay.mask
-                h, ids, live, a, n = layer.mlp(h, r_ids, r_mask, token_mask)
-                routes.append(ids), live_routes.append(live), aux.append(a), load.append(n)
-            else:
-                h = layer.mlp(h)
-            x = x + h
-            if kv is not None:
-                new_k.append(kv[0]), new_v.append(kv[1])
+        for g, (name, ids) in enumerate(stacking.layer_groups(cfg)):
+            is_moe = name == "moe_layers"
+            # the scan runs over the layer axis: replay [B, T, L, K] -> [L, B, T, K]
+            r_ids = jnp.moveaxis(replay.routes, 2, 0) if is_moe and replay is not None else None
+            graphdef, states = self._group(name, ids)
+            x, (ck, cv), moe = run_layers(
+                graphdef, states, x, positions=positions, segment_ids=segment_ids, token_mask=token_mask,
+                cache_k=None if cache is None else cache.k[g], cache_v=None if cache is None else cache.v[g],
+                replay_ids=r_ids, replay_mask=None if replay is None else replay.mask, remat=cfg.remat,
+                scanned=cfg.scan_layers, min_loop=cfg.scan_min_layers)
+            new_k.append(ck), new_v.append(cv)
+            if is_moe:  # moe: ids, live [L, B, T, K], aux [L], load [L, E]
+                ids_, live, aux, expert_load = moe
+                routes, live_routes = jnp.moveaxis(ids_, 0, 2), jnp.moveaxis(live, 0, 2)
+                aux_loss = jnp.mean(aux)
         x = self.final_norm(x)
         head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
         logits = (x @ head.astype(dt)).astype(jnp.float32)
-        b, t = tokens.shape
-        stack = lambda xs: jnp.stack(xs, axis=2) if xs else jnp.zeros((b, t, 0, cfg.top_k), jnp.int32)
-        aux_loss = jnp.mean(jnp.stack(aux)) if aux else jnp.zeros((), jnp.float32)
         new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v))
-        expert_load = jnp.stack(load) if load else jnp.zeros((0, cfg.num_experts), jnp.float32)
-        return ModelOutput(logits, stack(routes), stack(live_routes), aux_loss, new_cache, expert_load)
+        return ModelOutput(logits, routes, live_routes, aux_loss, new_cache, expert_load)

@@ -1,4 +1,9 @@
-"""Parameter files: a model's params as a standalone orbax directory, written and read back.
+"""Parameter files: a model's weights as a standalone orbax directory, written and read back.
+
+The *weights* are what defines the policy a rollout engine must run: every ``nnx.Param`` plus the
+non-trainable router biases (:class:`models.routers.RouterBias`, DeepSeek's
+``e_score_correction_bias``), which live outside the optimizer's params but change expert selection.
+Weight sync, export and load all move both (:data:`models.weights.WEIGHTS`, :func:`weights_of`).
 
 The one home of params file I/O, used by the trainer (``r3jax.train.export_params``, weight sync)
 and by the server (``--model DIR``, ``POST /v1/weights``) without either importing the other.
@@ -15,6 +20,9 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from models.stacking import GROUPS as STACKED
+from models.routers import RouterBias
+from models.weights import WEIGHTS
 from r3jax import tree_io
 
 
@@ -31,11 +39,28 @@ def params_of(model_or_state: Any) -> nnx.State:
                      "TrainState or an nnx.State of Params")
 
 
+def weights_of(model_or_state: Any) -> nnx.State:
+    """The weights (:data:`models.weights.WEIGHTS`: Params and router biases) of a module, of the trainer's
+    ``TrainState`` (``params`` plus the biases in ``rest``), or an ``nnx.State`` itself."""
+    if isinstance(model_or_state, nnx.Module):
+        return nnx.state(model_or_state, WEIGHTS)
+    if isinstance(model_or_state, nnx.State):
+        return model_or_state
+    params, rest = getattr(model_or_state, "params", None), getattr(model_or_state, "rest", None)
+    if isinstance(params, nnx.State):
+        if isinstance(rest, nnx.State):
+            biases, _ = nnx.split_state(rest, RouterBias, ...)
+            return nnx.merge_state(params, biases)
+        return params
+    raise ValueError(f"model_or_state={type(model_or_state).__name__}: expected an nnx.Module, a "
+                     "TrainState or an nnx.State of weights")
+
+
 def export_params(path, model_or_state: Any) -> pathlib.Path:
-    """Write the params as a standalone orbax checkpoint directory at ``path`` (replaced if it
-    exists); blocks until it is complete. Returns the absolute path."""
+    """Write the weights (Params and router biases) as a standalone orbax checkpoint directory at
+    ``path`` (replaced if it exists); blocks until it is complete. Returns the absolute path."""
     path = pathlib.Path(path).absolute()
-    item = tree_io.to_nested(params_of(model_or_state))
+    item = tree_io.to_nested(weights_of(model_or_state))
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(path, item, force=True)
         ckpt.wait_until_finished()
@@ -55,7 +80,7 @@ def load_params(path, model: nnx.Module) -> nnx.Module:
     path = pathlib.Path(path).absolute()
     if not path.is_dir():
         raise ValueError(f"path={str(path)!r}: expected an orbax params directory written by export_params")
-    current = nnx.state(model, nnx.Param)
+    current = nnx.state(model, WEIGHTS)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), current)
     target = tree_io.to_nested(abstract)
     with ocp.StandardCheckpointer() as ckpt:
@@ -84,11 +109,16 @@ def _shapes(nested, prefix=()) -> dict[tuple[str, ...], tuple[int, ...] | None]:
 def _check_same_params(path, want: dict, have: dict) -> None:
     """Host-side: the checkpoint holds exactly the model's params, with the same shapes."""
     where = f"path={str(path)!r} does not hold this model's params"
+    scanned = lambda keys: any(k[0] in STACKED for k in keys)  # models/stacking.py layouts
+    hint = ""
+    if scanned(have) != scanned(want):
+        hint = (f" (the file holds {'scanned' if scanned(have) else 'unrolled'} layers; the model has "
+                f"scan_layers={scanned(want)})")
     for key in sorted(set(want) | set(have)):
         name = "/".join(key)
         if key not in have:
-            raise ValueError(f"{where}: {name} is missing (expected shape {want[key]})")
+            raise ValueError(f"{where}: {name} is missing (expected shape {want[key]}){hint}")
         if key not in want:
-            raise ValueError(f"{where}: {name} (shape {have[key]}) is not a parameter of the model")
+            raise ValueError(f"{where}: {name} (shape {have[key]}) is not a parameter of the model{hint}")
         if want[key] != have[key]:
             raise ValueError(f"{where}: {name} has shape {have[key]}, expected {want[key]}")

@@ -58,15 +58,67 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES))
 
 
-def shard_batch(batch: Any, mesh: Mesh) -> Any:
-    """Place every leaf of ``batch`` (a Batch or any pytree of ``[B, ...]`` arrays) with
-    :func:`batch_sharding`. Dtypes are kept: routes stay uint8/int16 on device."""
+def process_batch_multiple(mesh: Mesh) -> int:
+    """How many of the :func:`batch_multiple` batch shards this process's devices hold (all of them
+    in a single process): a process's own rows must be a multiple of this."""
     m = batch_multiple(mesh)
-    leaves = jax.tree_util.tree_leaves_with_path(batch)
-    for path, leaf in leaves:
+    me = jax.process_index()
+    starts = {idx[0].indices(m)[0] for d, idx in batch_sharding(mesh).devices_indices_map((m,)).items()
+              if d.process_index == me}
+    return len(starts)
+
+
+def process_rows(mesh: Mesh, batch_size: int) -> slice:
+    """The rows ``[start, stop)`` of a global batch of ``batch_size`` rows that this process feeds
+    (its devices' shards under :func:`batch_sharding`): ``slice(0, B)`` in a single process.
+
+    Raises ValueError when B is not a multiple of :func:`batch_multiple` or when this process's
+    shards are not one contiguous block of rows (a mesh whose batch axes interleave processes).
+    """
+    m = batch_multiple(mesh)
+    if not is_int(batch_size) or batch_size < 1 or batch_size % m:
+        raise ValueError(f"batch_size={batch_size!r}: expected a positive multiple of the batch shard "
+                         f"count {m}")
+    me = jax.process_index()
+    spans = sorted({idx[0].indices(batch_size)[:2]
+                    for d, idx in batch_sharding(mesh).devices_indices_map((batch_size,)).items()
+                    if d.process_index == me})
+    if not spans:
+        raise ValueError(f"process {me} has no device in the mesh: expected every process to hold "
+                         "at least one of its devices")
+    for (_, stop), (start, _) in zip(spans, spans[1:]):
+        if start != stop:
+            raise ValueError(f"process {me} feeds rows {spans}: expected one contiguous block (build "
+                             "the mesh over jax.devices() in their default, process-major order)")
+    return slice(spans[0][0], spans[-1][1])
+
+
+def shard_batch(batch: Any, mesh: Mesh, *, process_local: bool = True) -> Any:
+    """Place every leaf of ``batch`` (a Batch or any pytree of ``[B, ...]`` arrays) with
+    :func:`batch_sharding`. Dtypes are kept: routes stay uint8/int16 on device.
+
+    ``process_local=True`` (default): ``batch`` holds this process's own rows, the global batch
+    being every process's rows in process order (:func:`process_rows` says which; with one process
+    that is the whole batch). Each process then passes a multiple of
+    :func:`process_batch_multiple` rows, and every process the same number.
+    ``process_local=False``: every process passes the same, whole global batch.
+    """
+    local = process_local and jax.process_count() > 1
+    m = process_batch_multiple(mesh) if local else batch_multiple(mesh)
+    what = (f"this process's share of the data x fsdp shards = {m} (shard_batch takes each "
+            "process's own rows)") if local else f"data x fsdp = {m} (collate(..., batch_multiple={m}))"
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
         name = "batch" + jax.tree_util.keystr(path)
         shape = np.shape(leaf)
         if len(shape) == 0 or shape[0] % m:
             raise ValueError(f"{name} shape={shape}: expected a leading batch dim that is a multiple "
-                             f"of data x fsdp = {m} (collate(..., batch_multiple={m}))")
-    return jax.device_put(batch, batch_sharding(mesh))
+                             f"of {what}")
+    sharding = batch_sharding(mesh)
+    if local:
+        # rows of this process -> its devices' shards; the global B is inferred (uniform shares)
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
+                            batch)
+    if jax.process_count() > 1:  # the same global batch everywhere: each process takes its shards
+        return jax.tree.map(lambda x: jax.make_array_from_callback(
+            np.shape(x), sharding, lambda idx, x=np.asarray(x): x[idx]), batch)
+    return jax.device_put(batch, sharding)

@@ -80,9 +80,12 @@ def config_to_hf(cfg: MoeConfig, *, architecture: str | None = None, max_positio
     return out
 
 
-def load_pretrained(path, *, dtype=None, param_dtype=None,
-                    moe_impl: str = "ragged") -> tuple[MoeConfig, MoeTransformer]:
+def load_pretrained(path, *, dtype=None, param_dtype=None, moe_impl: str = "ragged",
+                    scan_layers: bool = True) -> tuple[MoeConfig, MoeTransformer]:
     """Load a Hugging Face directory (``config.json`` + ``*.safetensors``, single or sharded).
+
+    scan_layers: the layer layout of the model built (``MoeConfig.scan_layers``; default scanned: the
+    per-layer tensors are stacked per run of identical layers, see models/stacking.py).
 
     The model is built abstractly (no random init) and filled with the checkpoint's tensors cast to
     param_dtype (router biases stay float32). Raises ValueError for an unsupported architecture,
@@ -95,6 +98,9 @@ def load_pretrained(path, *, dtype=None, param_dtype=None,
     hf = json.loads((path / "config.json").read_text())
     family = _family_of_hf(hf)
     cfg = family.to_config(hf, dtype=dtype, param_dtype=param_dtype, moe_impl=moe_impl)
+    if not isinstance(scan_layers, bool):
+        raise ValueError(f"scan_layers={scan_layers!r}: expected a bool")
+    cfg = cfg.replace(scan_layers=scan_layers)
     with Checkpoint(path) as ckpt:
         state, used = read_state(ckpt, cfg, family)
         unused = sorted(ckpt.names - used - ({"lm_head.weight"} if cfg.tie_embeddings else set()))

@@ -4,6 +4,8 @@ HF Linear weights are ``[out, in]``; ours are ``[in, out]``, so every projection
 the way in and out. Experts are written per expert (what transformers 5.x ``save_pretrained``
 writes and vLLM/SGLang read); the fused in-memory form of transformers 5.x
 (``mlp.experts.gate_up_proj [E, 2I, D]``, ``mlp.experts.down_proj [E, D, I]``) is accepted on load.
+The map is written per layer (``layers/{i}``); a scanned model's state (``cfg.scan_layers``) is
+stacked from it on load and unstacked to it on save (models/stacking.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import stacking
 from models.config import MoeConfig
 from models.hf.common import Family
 from models.hf.io import Checkpoint
@@ -145,7 +148,7 @@ def read_state(ckpt: Checkpoint, cfg: MoeConfig, family: Family) -> tuple[dict, 
     state: dict = {}
     for t in plain:
         a = ckpt.get(t.name, np.float32 if t.path[-1] == "router_bias" else dt)
-        _set(state, t.path, jnp.asarray(a.T if t.linear else a))
+        _set(state, t.path, a.T if t.linear else a)  # numpy until the end: one device copy per tensor
     for layer in cfg.moe_layer_ids:
         gate_up, down = fused_names(layer)
         if gate_up in ckpt:
@@ -155,15 +158,16 @@ def read_state(ckpt: Checkpoint, cfg: MoeConfig, family: Family) -> tuple[dict, 
             names = [expert_names(family, layer, ex) for ex in range(e)]
             mats = {ours: np.stack([ckpt.get(n[ours][0], dt) for n in names]) for ours in names[0]}
         for ours, m in mats.items():  # HF [E, out, in] -> ours [E, in, out]
-            _set(state, ("layers", layer, "mlp", ours), jnp.asarray(np.swapaxes(m, 1, 2)))
-    return state, set(wanted)
+            _set(state, ("layers", layer, "mlp", ours), np.swapaxes(m, 1, 2))
+    state = stacking.stack_layers(state, cfg) if cfg.scan_layers else state
+    return jax.tree.map(jnp.asarray, state), set(wanted)
 
 
 def hf_tensors(model: MoeTransformer, family: Family, dtype) -> dict[str, np.ndarray]:
     """Our state (params and router biases, the latter in float32) as HF-named, HF-shaped,
     C-contiguous numpy arrays, in model order."""
     cfg = model.config
-    state = nnx.to_pure_dict(nnx.state(model))
+    state = stacking.to_layout(nnx.to_pure_dict(nnx.state(model)), cfg, scan_layers=False)
     get = lambda path, dt=dtype: np.asarray(jax.device_get(_get(state, path))).astype(dt, copy=False)
     out = {}
     for t in tensors(cfg, family):

@@ -19,6 +19,8 @@ import numpy as np
 from flax import nnx
 
 from models import MoeTransformer
+from models.routers import RouterBias
+from models.weights import split_weights
 from r3jax.checks import FieldError, check_int
 from r3jax.engine import slots as dev
 from r3jax.engine.prefix_cache import PrefixCache, init_pool, store_blocks
@@ -198,24 +200,26 @@ class Engine:
             raise
 
     def set_weights(self, params_state, abort_in_flight: bool = False) -> int:
-        """Replace the parameters (an ``nnx.State`` shaped like ``nnx.state(model, nnx.Param)``, on any
-        devices: they are copied onto the current placement) and return the new ``weight_version``.
+        """Replace the weights and return the new ``weight_version``.
+
+        ``params_state``: an ``nnx.State`` shaped like ``nnx.state(model, nnx.Param)``, optionally with
+        the model's router biases too (:func:`r3jax.params_io.weights_of`: what ``push_to_engine`` and
+        ``POST /v1/weights`` send; biases not given stay as they are), on any devices: they are copied
+        onto the current placement.
 
         Drain (default): stop admitting, let in-flight requests finish on the old weights, swap,
         resume. ``abort_in_flight=True``: in-flight requests fail with :class:`EngineAborted` (they may
         be retried) and the swap happens at once. Requests still waiting run on the new weights. No
         output ever mixes versions; the prefix cache is dropped (its KV and routes are stale)."""
-        want = jax.tree_util.tree_flatten_with_path(self._params)
-        got = jax.tree_util.tree_flatten_with_path(params_state)
-        if got[1] != want[1]:
-            raise ValueError(f"params_state: tree structure {got[1]} differs from the model's "
-                             f"parameter tree {want[1]}")
-        for (path, new), (_, old) in zip(got[0], want[0]):
-            if tuple(new.shape) != tuple(old.shape) or np.dtype(new.dtype) != np.dtype(old.dtype):
-                raise ValueError(f"params_state{jax.tree_util.keystr(path)}: shape {tuple(new.shape)} dtype "
-                                 f"{new.dtype}, expected shape {tuple(old.shape)} dtype {old.dtype}")
-        placed = self.placement.params(params_state, like=self._params)
-        return self._sched.control(functools.partial(self._swap, placed), drain=True, abort=abort_in_flight)
+        params, biases = split_weights(params_state) if isinstance(params_state, nnx.State) else (params_state, None)
+        _check_like("params_state", params, self._params)
+        placed = self.placement.params(params, like=self._params)
+        rest = self._rest
+        if biases is not None and jax.tree.leaves(biases):
+            old_biases, other = nnx.split_state(self._rest, RouterBias, ...)
+            _check_like("params_state (router biases)", biases, old_biases)
+            rest = nnx.merge_state(self.placement.params(biases, like=old_biases), other)
+        return self._sched.control(functools.partial(self._swap, placed, rest), drain=True, abort=abort_in_flight)
 
     def warmup(self) -> dict:
         """Compile every device program of this configuration (prefill buckets, insert, decode
@@ -227,8 +231,8 @@ class Engine:
         self._sched.close()
 
     # ---- scheduler callbacks (scheduler thread only) ----------------------------------------------
-    def _swap(self, placed) -> int:
-        self._params = placed
+    def _swap(self, placed, rest) -> int:
+        self._params, self._rest = placed, rest
         self.weight_version += 1
         self._prefix.clear(self.weight_version)
         return self.weight_version
@@ -413,3 +417,14 @@ def _cpu_moe_impl(cfg) -> str:
     from models.config import MOE_IMPLS
 
     return next(impl for impl in ("gather", "loop", "dense") if impl in MOE_IMPLS)
+
+
+def _check_like(name: str, got, want) -> None:
+    """Host-side: ``got`` has ``want``'s tree structure, leaf shapes and dtypes (naming the first difference)."""
+    g, w = jax.tree_util.tree_flatten_with_path(got), jax.tree_util.tree_flatten_with_path(want)
+    if g[1] != w[1]:
+        raise ValueError(f"{name}: tree structure {g[1]} differs from the model's {w[1]}")
+    for (path, new), (_, old) in zip(g[0], w[0]):
+        if tuple(new.shape) != tuple(old.shape) or np.dtype(new.dtype) != np.dtype(old.dtype):
+            raise ValueError(f"{name}{jax.tree_util.keystr(path)}: shape {tuple(new.shape)} dtype {new.dtype}, "
+                             f"expected shape {tuple(old.shape)} dtype {old.dtype}")

@@ -23,7 +23,8 @@ from models import KVCache, MoeConfig
 
 @struct.dataclass
 class BlockPool:
-    """k[i], v[i]: [C, bs, Hkv, Dh] per layer; routes: [C, bs, L, K] compact dtype."""
+    """k[g], v[g]: [n_g, C, bs, Hkv, Dh] per run of layers (the groups of ``KVCache``); routes:
+    [C, bs, L, K] compact dtype."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -31,15 +32,15 @@ class BlockPool:
 
 
 def init_pool(cfg: MoeConfig, route_dtype, *, capacity: int, block_size: int) -> BlockPool:
-    kv = (capacity, block_size, cfg.num_kv_heads, cfg.head_dim)
-    zeros = lambda: tuple(jnp.zeros(kv, cfg.dtype) for _ in range(cfg.num_layers))
+    kv = KVCache.init(cfg, capacity, block_size)  # [n_g, C, bs, Hkv, Dh]
     routes = jnp.zeros((capacity, block_size, cfg.num_moe_layers, cfg.top_k), route_dtype)
-    return BlockPool(k=zeros(), v=zeros(), routes=routes)
+    return BlockPool(k=kv.k, v=kv.v, routes=routes)
 
 
-def _blocked(x, block_size):
-    """[B, S, ...] -> [B, S / bs, bs, ...]."""
-    return x.reshape(x.shape[0], x.shape[1] // block_size, block_size, *x.shape[2:])
+def _blocked(x, block_size, axis=0):
+    """[..., B, S, ...] -> [..., B, S / bs, bs, ...] (B at ``axis``)."""
+    lead, s = x.shape[:axis + 1], x.shape[axis + 1]
+    return x.reshape(*lead, s // block_size, block_size, *x.shape[axis + 2:])
 
 
 def load_blocks(pool: BlockPool, cache: KVCache, routes, row, blk, slot):
@@ -53,7 +54,11 @@ def load_blocks(pool: BlockPool, cache: KVCache, routes, row, blk, slot):
         shape = dst.shape
         return _blocked(dst, bs).at[row, blk].set(src[slot], mode="drop").reshape(shape)
 
-    cache = KVCache(k=tuple(map(put, cache.k, pool.k)), v=tuple(map(put, cache.v, pool.v)))
+    def put_kv(dst, src):  # [n, B, S, ...] <- [n, C, bs, ...]
+        shape = dst.shape
+        return _blocked(dst, bs, 1).at[:, row, blk].set(src[:, slot], mode="drop").reshape(shape)
+
+    cache = KVCache(k=tuple(map(put_kv, cache.k, pool.k)), v=tuple(map(put_kv, cache.v, pool.v)))
     return cache, put(routes, pool.routes)
 
 
@@ -64,7 +69,8 @@ def store_blocks(pool: BlockPool, cache: KVCache, routes, row, blk, slot) -> Blo
     """
     bs = pool.routes.shape[1]
     take = lambda dst, src: dst.at[slot].set(_blocked(src, bs)[row, blk], mode="drop")
-    return BlockPool(k=tuple(map(take, pool.k, cache.k)), v=tuple(map(take, pool.v, cache.v)),
+    take_kv = lambda dst, src: dst.at[:, slot].set(_blocked(src, bs, 1)[:, row, blk], mode="drop")
+    return BlockPool(k=tuple(map(take_kv, pool.k, cache.k)), v=tuple(map(take_kv, pool.v, cache.v)),
                      routes=take(pool.routes, routes))
 
 

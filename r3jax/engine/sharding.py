@@ -7,7 +7,8 @@ have no tensor axis, so serving has its own rules over a ``(data, tensor, expert
 - attention projections by heads along ``tensor`` (q/k/v output dim, o input dim); dense MLP hidden
   dim along ``tensor``; embedding and LM head by vocabulary along ``tensor``; norms and the router
   replicated;
-- slot state by slot along ``data`` and the KV cache's kv heads along ``tensor``.
+- slot state by slot along ``data`` and the KV cache's kv heads along ``tensor``;
+- the leading layer axis of stacked (scanned) layers and of the KV cache is never sharded.
 
 An axis the mesh lacks counts as size 1, and a dim is sharded only when the axis size divides it
 (otherwise it stays replicated: still correct). Without a mesh everything lives on one device.
@@ -21,6 +22,8 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
+
+from models.stacking import is_stacked
 
 AXES = ("data", "tensor", "expert")
 _EXPERT = ("gate_proj", "up_proj", "down_proj")
@@ -82,7 +85,14 @@ class Placement:
 
     # ---- parameters ----------------------------------------------------------------------------
     def param_spec(self, path, leaf) -> tuple:
-        cfg, shape = self.cfg, tuple(leaf.shape)
+        """The spec of one parameter; stacked layers (models/stacking.py) keep their leading layer
+        axis unsharded and get the spec of one layer's matrix after it."""
+        if is_stacked(path):
+            return (None,) + self._matrix_spec(path, tuple(leaf.shape)[1:])
+        return self._matrix_spec(path, tuple(leaf.shape))
+
+    def _matrix_spec(self, path, shape: tuple) -> tuple:
+        cfg = self.cfg
         names = [n for n in (_name(p) for p in path) if n != "value"]
         last = names[-1] if names else ""
         t = lambda d, heads=None: self._axis("tensor", d if heads is None else heads) and "tensor"
@@ -113,8 +123,9 @@ class Placement:
 
     # ---- slot state ----------------------------------------------------------------------------
     def kv(self, rows: int, *, by_row: bool) -> jax.sharding.Sharding:
-        """KV buffers [N, S, Hkv, Dh]: rows along data (slot state only), kv heads along tensor."""
-        return self.sharding(self._axis("data", rows) if by_row else None, None,
+        """KV buffers [n, N, S, Hkv, Dh] (n layers of a run): rows along data (slot state only), kv
+        heads along tensor, the layer axis unsharded."""
+        return self.sharding(None, self._axis("data", rows) if by_row else None, None,
                              self._axis("tensor", self.cfg.num_kv_heads), None)
 
     def rows(self, rows: int) -> jax.sharding.Sharding:

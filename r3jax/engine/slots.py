@@ -3,7 +3,7 @@
 Every function here is pure, jitted with the model's graphdef bound, and donates the buffers it
 updates. Layout (B slots, S = cache length, L MoE layers, K experts per token):
 
-- ``SlotState.cache``: ``KVCache`` [B, S, Hkv, Dh] per layer; ``routes`` [B, S, L, K] compact dtype.
+- ``SlotState.cache``: ``KVCache`` [n, B, S, Hkv, Dh] per run of n layers; ``routes`` [B, S, L, K] compact dtype.
   Position j of the request in slot b lives at ``[b, j]``: a query at position p reads ``<= p``, so
   whatever a previous request left past a slot's length is never read.
 - ``tokens`` / ``logprobs`` [B, S]: token g of the slot's request at column g.
@@ -119,7 +119,8 @@ def insert(state: SlotState, cache: KVCache, routes, first, first_lp, slot, new:
     set its parameters ``new`` ([N] each) and its first token ``first`` [N] (logprob ``first_lp``)."""
     sp = routes.shape[1]
     put = lambda dst, src: dst.at[slot, :sp].set(src.astype(dst.dtype), mode="drop")
-    kv = KVCache(k=tuple(map(put, state.cache.k, cache.k)), v=tuple(map(put, state.cache.v, cache.v)))
+    put_kv = lambda dst, src: dst.at[:, slot, :sp].set(src.astype(dst.dtype), mode="drop")  # [n, B, S, ...]
+    kv = jax.tree.map(put_kv, state.cache, cache)
     stopped = _is_stop(new.stop_ids, first)
     at = lambda dst, val: dst.at[slot].set(val, mode="drop")
     params = jax.tree.map(at, state.params, new)
@@ -146,7 +147,7 @@ def decode(graphdef, params, rest, state: SlotState, idx, *, steps: int, window:
     row = jnp.minimum(idx, b - 1)  # padding computes on a copy of some slot; its writes are dropped
     p = jax.tree.map(lambda x: x[row], state.params)
     trash = window - 1
-    view = KVCache(k=tuple(x[row, :window] for x in state.cache.k), v=tuple(x[row, :window] for x in state.cache.v))
+    view = jax.tree.map(lambda x: x[:, row, :window], state.cache)  # [n, B, S, ...] -> [n, rows, window, ...]
     carry = (0, state.last[row], state.n_gen[row], state.done[row] | ~valid, state.stopped[row],
              state.tokens, state.logprobs, state.routes, view)
 
@@ -170,8 +171,7 @@ def decode(graphdef, params, rest, state: SlotState, idx, *, steps: int, window:
     _, last, n_gen, done, stopped, tokens, logprobs, routes, view = jax.lax.while_loop(
         lambda c: (c[0] < steps) & jnp.any(~c[3]), body, carry)
     back = lambda full, part: full.at[idx].set(part, mode="drop")
-    put = lambda full, part: full.at[idx, :window].set(part, mode="drop")
-    cache = KVCache(k=tuple(map(put, state.cache.k, view.k)), v=tuple(map(put, state.cache.v, view.v)))
+    cache = jax.tree.map(lambda full, part: full.at[:, idx, :window].set(part, mode="drop"), state.cache, view)
     return state.replace(cache=cache, routes=routes, tokens=tokens, logprobs=logprobs, last=back(state.last, last),
                          n_gen=back(state.n_gen, n_gen), done=back(state.done, done),
                          stopped=back(state.stopped, stopped))

@@ -29,6 +29,7 @@ from r3jax.checks import FieldError
 from r3jax.serve.dispatch import Disconnected, ServeContext, Unavailable
 from r3jax.serve.peers import sglang, skyrl, vllm
 from r3jax.serve.peers import openapi as peer_openapi
+from r3jax.serve.peers.common import token_ids
 
 # engine request fields (GenerateRequest) -> the field each peer calls them
 _ENGINE_FIELDS = {
@@ -186,11 +187,9 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
               summary="vLLM /tokenize: text -> token ids (needs the server's tokenizer)")
     async def tokenize(request: Request):
         try:
-            body = vllm_object(_load(await request.body()))
+            body = _vllm_body(await request.body(), served_model)
             if body.get("messages") is not None:
                 raise FieldError("messages", "[...]", "a 'prompt' string (r3jax renders no chat template here)")
-            if body.get("model") not in (None, served_model):
-                raise FieldError("model", body["model"], f"the served model {served_model!r}")
             ids = encode_text("prompt", body.get("prompt"))
         except FieldError as e:
             return _error("vllm", e)
@@ -200,10 +199,8 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
               summary="vLLM /detokenize: token ids -> text (needs the server's tokenizer)")
     async def detokenize(request: Request):
         try:
-            body = vllm_object(_load(await request.body()))
-            if body.get("model") not in (None, served_model):
-                raise FieldError("model", body["model"], f"the served model {served_model!r}")
-            ids = vllm_tokens(body.get("tokens"))
+            body = _vllm_body(await request.body(), served_model)
+            ids = token_ids("tokens", body.get("tokens"), vocab_size, allow_empty=True)
             if tokenizer is None:
                 raise FieldError("tokens", ids[:8], f"text needs a tokenizer ({NO_TOKENIZER})")
         except FieldError as e:
@@ -215,14 +212,15 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
         found = session_id is not None and ctx.sessions.pop(session_id, None) is not None
         return _json_response({"status": "ok", "session_id": session_id, "known": found})
 
-    def vllm_object(body: Any) -> dict:
-        if not isinstance(body, dict):
-            raise FieldError("body", body, "a JSON object")
-        return body
 
-    def vllm_tokens(value: Any) -> list[int]:
-        from r3jax.serve.peers.common import token_ids
-        return token_ids("tokens", value, vocab_size, allow_empty=True)
+def _vllm_body(raw: bytes, served_model: str) -> dict:
+    """A vLLM tokenizer-endpoint body: a JSON object whose ``model``, if given, is the served one."""
+    body = _load(raw)
+    if not isinstance(body, dict):
+        raise FieldError("body", body, "a JSON object")
+    if body.get("model") not in (None, served_model):
+        raise FieldError("model", body["model"], f"the served model {served_model!r}")
+    return body
 
 
 def _request_id(body: Any) -> str:

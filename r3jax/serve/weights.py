@@ -45,6 +45,7 @@ def build_model(spec: str, *, config: str | None = None, seed: int = 0, dtype=No
 
     from models import MoeTransformer
     from models.hf import load_pretrained
+    from models.weights import WEIGHTS
     from r3jax.params_io import load_params
 
     path = Path(spec)
@@ -93,6 +94,7 @@ def load_state(path: str, fmt: str, engine: Any):
     from flax import nnx
 
     from models.hf import load_pretrained
+    from models.weights import WEIGHTS
     from r3jax.params_io import load_params
 
     cfg, p = engine.config, Path(path)
@@ -113,4 +115,4 @@ def load_state(path: str, fmt: str, engine: Any):
         raise InputError("format", f"format={fmt!r}: expected 'orbax' or 'safetensors'")
     # Host arrays: the engine places them like its current params. (orbax hands back committed device
     # arrays; swapping those for the engine's uncommitted ones would recompile every program once.)
-    return jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+    return jax.tree.map(np.asarray, nnx.state(model, WEIGHTS))  # Params and router biases

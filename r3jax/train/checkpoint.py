@@ -15,7 +15,12 @@ step that is incomplete or unreadable (missing or corrupt files, I/O errors) is 
 A save that fails (directory gone, read-only or full; orbax's background write raising) raises
 :class:`CheckpointWriteError` from the next call to ``save``/``wait``/``close`` (``save`` is called
 every step, so the run stops at the next step) and from every call after it.
-Single-process (one host) checkpointing.
+
+Several processes (``jax.distributed``): every process calls the same methods in the same order
+(orbax saves and restores collectively; each process writes and reads its own shards of a directory
+they all see). Host-side decisions are taken together: a step counts as unreadable when it failed on
+any process, only process 0 renames it, and the others wait for the rename. A checkpoint restores
+onto a mesh of any process count (orbax reads whatever shards the new layout needs).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from r3jax import tree_io
@@ -61,6 +67,26 @@ class CheckpointWriteError(OSError):
 
 class _Unreadable(Exception):
     """Internal: a step whose files are missing or corrupt (quarantined by restore_latest)."""
+
+
+def _failed_anywhere(failed: bool) -> list[int]:
+    """The processes for which ``failed`` is True (every process must call this, in the same order)."""
+    if jax.process_count() == 1:
+        return [0] if failed else []
+    flags = np.asarray(multihost_utils.process_allgather(np.array([failed], np.int32))).reshape(-1)
+    return [int(i) for i in np.flatnonzero(flags)]
+
+
+class _Sync:
+    """Named barriers across processes (no-ops in a single process)."""
+
+    def __init__(self):
+        self._n = 0
+
+    def __call__(self, what: str) -> None:
+        if jax.process_count() > 1:
+            self._n += 1
+            multihost_utils.sync_global_devices(f"r3jax.checkpoint:{self._n}:{what}")
 
 
 def _state_tree(state: TrainState) -> dict:
@@ -135,6 +161,7 @@ class Checkpointer:
         self._mgr = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
         self._pending: int | None = None  # the step of the last started save, until verified
         self._failure: CheckpointWriteError | None = None
+        self._sync = _Sync()
 
     # ---- saving ------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -231,9 +258,16 @@ class Checkpointer:
         or dtype than ``template``, before any array is read.
         """
         try:
-            return self._restore(step, template, mesh)
+            out, error = self._restore(step, template, mesh), None
         except _Unreadable as e:
-            raise e.__cause__ from None
+            out, error = None, e.__cause__
+        failed = _failed_anywhere(error is not None)
+        if error is not None:
+            raise error from None
+        if failed:  # this process read the step; another could not: nobody goes on with it
+            raise OSError(f"checkpoint step {step} in {self.directory} could not be read by process(es) "
+                          f"{failed} (see their errors)")
+        return out
 
     def restore_latest(self, template: TrainState, *, mesh: Mesh | None = None) -> tuple[TrainState, Any] | None:
         """The newest step that restores cleanly, or None if the directory holds none.
@@ -244,16 +278,24 @@ class Checkpointer:
         CheckpointMismatchError and nothing on disk changes.
         """
         self.wait()  # never race a save this process started
+        self._sync("restore_latest")  # every process has finished its saves before anyone lists
         self._mgr.reload()
-        for step in sorted(self._mgr.all_steps(), reverse=True):
+        steps = sorted(self._mgr.all_steps(), reverse=True)
+        self._sync("listed")  # ... and everyone has listed before process 0 renames anything
+        for step in steps:
+            out, why = None, None
             if not self._complete(step):
-                self._quarantine(step, f"has no {_COMMIT_FILE} (an interrupted save)")
-                continue
-            try:
-                return self._restore(step, template, mesh)
-            except _Unreadable as e:
-                c = e.__cause__
-                self._quarantine(step, f"could not be read ({type(c).__name__}: {str(c)[:300]})")
+                why = f"has no {_COMMIT_FILE} (an interrupted save)"
+            else:
+                try:
+                    out = self._restore(step, template, mesh)
+                except _Unreadable as e:
+                    c = e.__cause__
+                    why = f"could not be read ({type(c).__name__}: {str(c)[:300]})"
+            failed = _failed_anywhere(why is not None)
+            if not failed:
+                return out
+            self._quarantine(step, why or f"could not be read by process(es) {failed}")
         return None
 
     def _restore(self, step, template, mesh):
@@ -311,6 +353,7 @@ class Checkpointer:
         return (self.directory / str(step) / _COMMIT_FILE).is_file()
 
     def _quarantine(self, step: int, why: str) -> None:
+        """Rename ``<step>`` to ``<step>.damaged`` (process 0 only; everyone waits for it)."""
         src = self.directory / str(step)
         dst = self.directory / f"{step}.damaged"
         n = 1
@@ -318,5 +361,8 @@ class Checkpointer:
             dst, n = self.directory / f"{step}.damaged-{n}", n + 1
         warnings.warn(f"checkpoint step {step} in {self.directory} {why}; moved to {dst.name} and "
                       f"falling back to an earlier step", RuntimeWarning, stacklevel=3)
-        src.rename(dst)
+        self._sync(f"quarantine {step}")  # every process has named dst before it exists
+        if jax.process_index() == 0:
+            src.rename(dst)
+        self._sync(f"quarantined {step}")
         self._mgr.reload()

@@ -7,6 +7,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from models.stacking import is_stacked
 from r3jax.sharding import AXES as MESH_AXES
 from r3jax.sharding import batch_multiple as batch_divisor  # noqa: F401 (re-exported)
 from r3jax.sharding import batch_sharding  # noqa: F401 (re-exported)
@@ -40,25 +41,31 @@ def _name(entry) -> str:
     return str(getattr(entry, "key", getattr(entry, "name", getattr(entry, "idx", entry))))
 
 
-def _is_expert_weight(path, leaf) -> bool:
+def _is_expert_weight(path, ndim: int) -> bool:
+    """ndim: of one layer's tensor (without a stacked layer axis)."""
     names = [_name(p) for p in path]
     names = [n for n in names if n != "value"]
-    return leaf.ndim == 3 and bool(names) and names[-1] in _EXPERT_PARAMS
+    return ndim == 3 and bool(names) and names[-1] in _EXPERT_PARAMS
 
 
 def param_spec(path, leaf, mesh: Mesh) -> P:
     """PartitionSpec of one parameter. Expert tensors [E, ...] put E on ``expert`` and their largest
     other dim on ``fsdp``; every other tensor puts its largest dim on ``fsdp``. A dim is only sharded
-    when the axis size divides it (otherwise it stays replicated, still correct)."""
+    when the axis size divides it (otherwise it stays replicated, still correct). Stacked layers
+    (models/stacking.py) keep their leading layer axis unsharded (the scan slices it per layer) and
+    shard the rest as one layer's tensor."""
     shape = tuple(leaf.shape)
+    stacked = is_stacked(path)
+    lead = 1 if stacked else 0
     spec: list = [None] * len(shape)
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
-    free = list(range(len(shape)))
-    if _is_expert_weight(path, leaf) and shape[0] % sizes["expert"] == 0 and sizes["expert"] > 1:
-        spec[0] = "expert"
-        free.remove(0)
-    elif _is_expert_weight(path, leaf):
-        free.remove(0)  # the expert dim never goes on fsdp: experts are sharded by "expert" only
+    free = list(range(lead, len(shape)))
+    expert = _is_expert_weight(path, len(shape) - lead)
+    if expert and shape[lead] % sizes["expert"] == 0 and sizes["expert"] > 1:
+        spec[lead] = "expert"
+        free.remove(lead)
+    elif expert:
+        free.remove(lead)  # the expert dim never goes on fsdp: experts are sharded by "expert" only
     if sizes["fsdp"] > 1:
         for d in sorted(free, key=lambda i: -shape[i]):
             if shape[d] % sizes["fsdp"] == 0:

@@ -13,13 +13,14 @@ from typing import Any
 import httpx
 import jax
 
-from r3jax.params_io import export_params, load_params, params_of
+from r3jax.params_io import export_params, load_params, params_of, weights_of
 
-__all__ = ["export_params", "load_params", "params_of", "push_to_engine", "push_to_server"]
+__all__ = ["export_params", "load_params", "params_of", "push_to_engine", "push_to_server", "weights_of"]
 
 
 def push_to_engine(engine: Any, model_or_state: Any) -> int:
-    """In-process sync: ``engine.set_weights(params)``; returns the engine's new weight_version.
+    """In-process sync: ``engine.set_weights(weights)`` (Params and router biases,
+    :func:`r3jax.params_io.weights_of`); returns the engine's new weight_version.
 
     Leaves are handed over on one device (the default device, where an ``Engine`` lives), gathered
     if sharded on a trainer mesh, so every sync presents the same placement: the engine compiles
@@ -28,7 +29,7 @@ def push_to_engine(engine: Any, model_or_state: Any) -> int:
     device = jax.devices()[0]
     single = lambda x: x if isinstance(getattr(x, "sharding", None), jax.sharding.SingleDeviceSharding) \
         else jax.device_put(x, device)
-    return int(engine.set_weights(jax.tree.map(single, params_of(model_or_state))))
+    return int(engine.set_weights(jax.tree.map(single, weights_of(model_or_state))))
 
 
 def push_to_server(url: str, path, model_or_state: Any, *, api_key: str | None = None,

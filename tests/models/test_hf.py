@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import MoeConfig, MoeTransformer
+from models import MoeConfig, MoeTransformer, stacking
 from models.hf import config_from_hf, config_to_hf, load_pretrained, save_pretrained
 
 torch = pytest.importorskip("torch")
@@ -202,6 +202,37 @@ def test_sharded_save_round_trips_with_index(tmp_path):
 
     save_pretrained(model2, tmp_path)  # re-saving unsharded removes the stale shards and index
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_round_trip_with_scan_on_maps_stacked_layers_to_per_layer_tensors(tmp_path):
+    """A scanned model (stacked dense-first and MoE runs) writes the same per-layer HF tensors as its
+    unrolled twin, and its files load back into either layout with the same numbers."""
+    cfg = _tiny(num_layers=4, first_dense_layers=2, router="sigmoid_bias_grouped", num_shared_experts=1,
+                attention_bias=True, qk_norm=False)  # Glm4Moe: per-layer router bias, shared experts, biases
+    scanned = MoeTransformer(cfg, rngs=nnx.Rngs(5))
+    bias = scanned.moe_layers.mlp.router_bias  # [L, E]: a distinct bias per layer, so a layer mix-up shows
+    bias[...] = jax.random.normal(jax.random.key(0), bias.shape)
+    unrolled = MoeTransformer(cfg.replace(scan_layers=False), rngs=nnx.Rngs(0))
+    pure = stacking.unstack_layers(nnx.to_pure_dict(nnx.state(scanned)), cfg)
+    state = nnx.state(unrolled)
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(unrolled, state)
+    save_pretrained(scanned, tmp_path / "scanned")
+    save_pretrained(unrolled, tmp_path / "unrolled")
+    a = safetensors_numpy.load_file(str(tmp_path / "scanned" / "model.safetensors"))
+    b = safetensors_numpy.load_file(str(tmp_path / "unrolled" / "model.safetensors"))
+    assert sorted(a) == sorted(b) and "model.layers.3.mlp.gate.e_score_correction_bias" in a
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    np.testing.assert_array_equal(a["model.layers.3.mlp.gate.e_score_correction_bias"], np.asarray(bias[...])[1])
+    cfg2, back = load_pretrained(tmp_path / "scanned")
+    assert cfg2 == cfg and cfg2.scan_layers
+    _assert_params_equal(back, scanned)
+    cfg3, back_unrolled = load_pretrained(tmp_path / "scanned", scan_layers=False)
+    assert cfg3 == cfg.replace(scan_layers=False) and "layers" in nnx.state(back_unrolled)
+    _assert_params_equal(back_unrolled, unrolled)
+    with pytest.raises(ValueError, match=r"scan_layers='yes': expected a bool"):
+        load_pretrained(tmp_path / "scanned", scan_layers="yes")
 
 
 def test_config_spellings_and_round_trip():

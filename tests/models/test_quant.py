@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 import models
+from models import stacking
 from models.quant import fake_quant_int8, quantize_int8
 from r3jax.engine import Engine, GenerateRequest
 
@@ -34,17 +35,31 @@ def test_fake_quant_is_per_output_channel_symmetric_int8():
     np.testing.assert_allclose(np.asarray(fake_quant_int8(bank))[1], 10 * q, rtol=1e-6)
 
 
-def test_quantize_keeps_vocab_tables_norms_and_router_unless_asked():
-    model = models.MoeTransformer(models.MoeConfig.tiny(), rngs=nnx.Rngs(0))
+def _unrolled(cfg, params):
+    """Per-layer view (``layers/{i}``) of a params state in either layout, as a nested dict."""
+    return stacking.to_layout(nnx.to_pure_dict(params), cfg, scan_layers=False)
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_quantize_keeps_vocab_tables_norms_and_router_unless_asked(scan_layers):
+    cfg = models.MoeConfig.tiny(scan_layers=scan_layers)
+    model = models.MoeTransformer(cfg, rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
     q = quantize_int8(params)
-    same = lambda *names: np.array_equal(_leaf(params, *names), _leaf(q, *names))
-    assert same("embed") and same("lm_head") and same("final_norm") and same("[1]", "router")
-    assert not same("[1]", "gate_proj") and not same("[0]", "attn", "q_proj")
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(q)):
         assert a.shape == b.shape and a.dtype == b.dtype  # drops into Engine.set_weights
-    assert not np.array_equal(_leaf(params, "[1]", "router"),
-                              _leaf(quantize_int8(params, quantize_router=True), "[1]", "router"))
+    params, q_router = _unrolled(cfg, params), _unrolled(cfg, quantize_int8(params, quantize_router=True))
+    q = _unrolled(cfg, q)
+    same = lambda *names: np.array_equal(_leaf(params, *names), _leaf(q, *names))
+    assert same("embed") and same("lm_head") and same("final_norm") and same("[1]", "router")
+    assert same("[1]", "input_norm") and same("[0]", "q_norm")  # 1-D per layer, also when stacked
+    assert not same("[1]", "gate_proj") and not same("[0]", "attn", "q_proj")
+    assert not np.array_equal(_leaf(params, "[1]", "router"), _leaf(q_router, "[1]", "router"))
+    # each matrix is quantized on its own: the stacked layout gives exactly the per-layer result
+    unrolled = models.MoeTransformer(cfg.replace(scan_layers=not scan_layers), rngs=nnx.Rngs(0))
+    other = _unrolled(cfg, quantize_int8(nnx.state(unrolled, nnx.Param), quantize_router=True))
+    for a, b in zip(jax.tree.leaves(q_router), jax.tree.leaves(other)):
+        np.testing.assert_array_equal(a, b)
 
 
 def _constructed_model():
@@ -66,15 +81,11 @@ def _constructed_model():
     embed = np.asarray(_leaf(params, "embed"))
     lm_head = 20.0 * embed.T / np.mean(np.linalg.norm(embed, axis=1))
 
-    def fix(path, x):
-        key = jax.tree_util.keystr(path)
-        if "lm_head" in key:
-            return jnp.asarray(lm_head, x.dtype)
-        if "[1]" in key and "router" in key:
-            return jnp.asarray(router, x.dtype)
-        return x
-
-    nnx.update(model, jax.tree_util.tree_map_with_path(fix, params))
+    pure = _unrolled(cfg, params)
+    pure["lm_head"] = jnp.asarray(lm_head, jnp.float32)
+    pure["layers"][1]["mlp"]["router"] = jnp.asarray(router, jnp.float32)
+    nnx.replace_by_pure_dict(params, stacking.to_layout(pure, cfg, cfg.scan_layers))
+    nnx.update(model, params)
     return cfg, model
 
 

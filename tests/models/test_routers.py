@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import MoeConfig, MoeTransformer, Replay, routers
+from models import MoeConfig, MoeTransformer, Replay, routers, stacking
 from r3jax import routes as routes_lib
 
 B, T = 2, 8
@@ -23,9 +23,10 @@ ROUTERS = {  # the two router families; MLA and the plain softmax are covered by
 def _model(name, seed=0, **extra):
     cfg = MoeConfig(**{**_BASE, **ROUTERS[name], **extra})
     model = MoeTransformer(cfg, rngs=nnx.Rngs(seed))
-    for layer in model.layers:  # a nonzero selection bias, so using it (or not) shows
-        if hasattr(layer.mlp, "router_bias"):
-            layer.mlp.router_bias[...] = 0.02 * jax.random.normal(jax.random.key(seed + 7), (cfg.num_experts,))
+    if hasattr(model.moe_layers.mlp, "router_bias"):  # a nonzero selection bias, so using it (or not) shows
+        bias = model.moe_layers.mlp.router_bias  # [L, E]: the same draw in every layer
+        bias[...] = jnp.broadcast_to(0.02 * jax.random.normal(jax.random.key(seed + 7), (cfg.num_experts,)),
+                                     bias.shape)
     return cfg, model
 
 
@@ -77,7 +78,7 @@ def test_replayed_experts_outside_the_live_top_k_get_gate_gradients(name):
     def router_grads(replay):
         loss = lambda p, rp: jnp.sum(nnx.merge(graphdef, p, rest)(tokens, positions, rp).logits * weights)
         g = jax.jit(jax.grad(loss))(params, replay)
-        return [np.asarray(g["layers"][i]["mlp"]["router"][...]) for i in cfg.moe_layer_ids]  # [D, E] each
+        return [np.asarray(stacking.layer(g, cfg, i)["mlp"]["router"][...]) for i in cfg.moe_layer_ids]  # [D, E]
 
     replayed = router_grads(Replay(jnp.asarray(routes), jnp.ones((1, 4), bool)))
     unreplayed = router_grads(None)
@@ -92,8 +93,8 @@ def test_replayed_experts_outside_the_live_top_k_get_gate_gradients(name):
     # the bias is state, not a parameter: gradients and optimizers never see it
     params = nnx.state(model, nnx.Param)
     has_bias = cfg.router == "sigmoid_bias_grouped"
-    assert ("router_bias" in params["layers"][first]["mlp"]) is False
-    assert ("router_bias" in nnx.state(model)["layers"][first]["mlp"]) is has_bias
+    assert ("router_bias" in stacking.layer(params, cfg, first)["mlp"]) is False
+    assert ("router_bias" in stacking.layer(nnx.state(model), cfg, first)["mlp"]) is has_bias
 
 
 @pytest.mark.parametrize("e,n_group,topk_group,k", [(16, 4, 2, 4), (12, 6, 1, 2), (384, 8, 4, 8), (32, 8, 3, 6)])
@@ -163,8 +164,8 @@ def test_bias_update_on_the_model_state_follows_the_load():
     assert load.shape == (cfg.num_moe_layers, cfg.num_experts) and (load.sum(-1) == B * T * cfg.top_k).all()
     new = routers.update_state_biases(rest, out.expert_load, cfg.moe_layer_ids, 0.01)
     for m, i in enumerate(cfg.moe_layer_ids):
-        old_b = np.asarray(rest["layers"][i]["mlp"]["router_bias"][...])
-        new_b = np.asarray(new["layers"][i]["mlp"]["router_bias"][...])
+        old_b = np.asarray(stacking.layer(rest, cfg, i)["mlp"]["router_bias"][...])
+        new_b = np.asarray(stacking.layer(new, cfg, i)["mlp"]["router_bias"][...])
         np.testing.assert_allclose(new_b - old_b, 0.01 * np.sign(load[m].mean() - load[m]), atol=1e-7)
     soft_cfg, soft = _model("softmax_renorm")
     _, _, soft_rest = nnx.split(soft, nnx.Param, ...)

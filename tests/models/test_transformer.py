@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import KVCache, MoeConfig, MoeTransformer, Replay, validate_replay
+from models import KVCache, MoeConfig, MoeTransformer, Replay, stacking, validate_replay
 
 B, T = 2, 12
 
@@ -101,7 +101,7 @@ def test_router_gradient_under_replay(setup):
 
     grads = jax.grad(loss)(state)
     for layer_id in cfg.moe_layer_ids:
-        g = grads["layers"][layer_id]["mlp"]["router"][...]
+        g = stacking.layer(grads, cfg, layer_id)["mlp"]["router"][...]
         assert float(jnp.abs(g).max()) > 0.0, f"router of layer {layer_id} got no gradient"
 
 

@@ -7,7 +7,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from r3jax.batch import collate
-from r3jax.sharding import batch_multiple, batch_sharding, make_mesh, shard_batch
+from r3jax.sharding import (batch_multiple, batch_sharding, make_mesh, process_batch_multiple, process_rows,
+                            shard_batch)
 
 L, K = 2, 2
 
@@ -78,3 +79,18 @@ def test_shard_batch_refuses_batch_not_divisible():
                                          r"that is a multiple of data x fsdp = 8 "
                                          r"\(collate\(..., batch_multiple=8\)\)"):
         shard_batch(host, mesh)
+
+
+def test_process_rows_and_process_local_input_in_one_process():
+    # One process owns every batch shard: its own rows are the whole batch, fed either way.
+    mesh = make_mesh(data=2, fsdp=2, expert=2)
+    assert process_rows(mesh, 8) == slice(0, 8) and process_batch_multiple(mesh) == batch_multiple(mesh) == 4
+    host = collate(_trajs(8, count=4), buckets=(8,), num_experts=8, top_k=K, num_layers=L)
+    a, b = shard_batch(host, mesh), shard_batch(host, mesh, process_local=False)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x.sharding == y.sharding == batch_sharding(mesh)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    for bad in (6, 0, True):
+        with pytest.raises(ValueError, match=rf"batch_size={bad!r}: expected a positive multiple of the "
+                                             r"batch shard count 4"):
+            process_rows(mesh, bad)

@@ -22,16 +22,18 @@ def sharded(tiny_model, make_engine):
 def test_parameters_and_slots_are_split_over_the_mesh(sharded):
     params = sharded._params
     spec = lambda x: tuple(x.sharding.spec) if isinstance(x.sharding, NamedSharding) else None
-    moe = params["layers"][1]["mlp"]
-    assert spec(moe["gate_proj"][...]) == ("expert", None, "tensor")  # [E, D, I]
-    assert spec(moe["down_proj"][...]) == ("expert", "tensor", None)  # [E, I, D]
-    assert spec(params["layers"][0]["attn"]["q_proj"][...]) == (None, "tensor")  # heads
-    assert spec(params["layers"][0]["attn"]["o_proj"][...]) == ("tensor", None)
+    # scanned layers: a leading layer axis, never sharded, before each layer's own spec
+    moe = params["moe_layers"]["mlp"]
+    assert spec(moe["gate_proj"][...]) == (None, "expert", None, "tensor")  # [L, E, D, I]
+    assert spec(moe["down_proj"][...]) == (None, "expert", "tensor", None)  # [L, E, I, D]
+    assert spec(params["dense_layers"]["attn"]["q_proj"][...]) == (None, None, "tensor")  # heads
+    assert spec(params["dense_layers"]["attn"]["o_proj"][...]) == (None, "tensor", None)
+    assert spec(params["dense_layers"]["mlp"]["gate_proj"][...]) == (None, None, "tensor")  # [1, D, I]
     state = sharded._state
-    assert spec(state.cache.k[0]) == ("data", None, "tensor", None)  # slots x kv heads
+    assert spec(state.cache.k[1]) == (None, "data", None, "tensor", None)  # layers x slots x kv heads
     assert spec(state.routes)[0] == "data"
-    shard = state.cache.k[0].addressable_shards[0].data.shape
-    assert shard == (2, 64, 1, 16)  # of [4, 64, 2, 16]: a quarter on each device
+    shard = state.cache.k[1].addressable_shards[0].data.shape
+    assert shard == (2, 2, 64, 1, 16)  # of [2, 4, 64, 2, 16]: a quarter on each device
 
 
 def test_sharded_engine_equals_one_device(engine, sharded):

@@ -122,3 +122,41 @@ def test_set_weights_rejects_a_mismatched_tree(tiny_model, engine):
     with pytest.raises(ValueError, match=r"params_state: tree structure"):
         engine.set_weights({"embed": params["embed"]})
     assert engine.weight_version == version
+
+
+def test_router_biases_travel_with_weight_sync(tmp_path):
+    """DeepSeek-style selection biases live outside the params; a sync that dropped them would leave
+    the engine routing with stale biases. Here the trainer's biases force experts 6 and 7."""
+    import optax
+
+    from models import stacking
+    from r3jax.engine import Engine
+    from r3jax.params_io import export_params, load_params, weights_of
+    from r3jax.train import init_train_state, push_to_engine
+
+    cfg = MoeConfig.tiny().replace(router="sigmoid_bias_grouped", n_group=2, topk_group=1, moe_impl="dense")
+    model = MoeTransformer(cfg, rngs=nnx.Rngs(3))
+    engine = Engine(model, max_seq_len=32, max_batch_size=1, prefix_cache_bytes=0, block_size=8, prefill_chunk=16,
+                    min_prefill_chunk=16, min_seq_bucket=32)
+    try:
+        req = GenerateRequest([5, 9, 2, 7], max_tokens=3, temperature=0.0, return_routed_experts=True)
+        [before] = engine.generate([req])
+        assert not np.isin(before.routed_experts, [6, 7]).all()
+        state = init_train_state(model, optax.sgd(0.0))
+        forced = jax.tree.map(lambda b: b.at[..., 6:].set(10.0), state.rest)  # every router_bias: favour 6, 7
+        state = state.replace(rest=forced)
+        version = push_to_engine(engine, state)
+        [after] = engine.generate([req])
+        assert version == engine.weight_version and np.isin(after.routed_experts, [6, 7]).all()
+        reference = MoeTransformer(cfg, rngs=nnx.Rngs(3))
+        nnx.update(reference, weights_of(state))
+        ids = jnp.asarray([req.prompt_ids + after.output_ids[:-1]])
+        full = reference(ids, jnp.arange(ids.shape[1])[None]).routes[0]
+        np.testing.assert_array_equal(after.routed_experts, np.asarray(full))
+        # the exported weights carry the biases too (what POST /v1/weights loads)
+        fresh = load_params(export_params(tmp_path / "w", state), MoeTransformer(cfg, rngs=nnx.Rngs(0)))
+        bias = lambda m: np.asarray(stacking.layer(nnx.state(m), cfg, 1)["mlp"]["router_bias"][...])
+        np.testing.assert_array_equal(bias(fresh), bias(reference))
+        assert bias(fresh)[6:].min() == 10.0
+    finally:
+        engine.close()

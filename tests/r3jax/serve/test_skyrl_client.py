@@ -1,5 +1,5 @@
 """SkyRL 0.4.0's own ``RemoteGenerateClient`` (code no one here wrote, imported from its wheel) against
-``r3jax.serve`` over a multi-turn conversation, accumulating routes with SkyRL's own
+``python -m r3jax serve`` (a subprocess) over a multi-turn conversation, accumulating routes with SkyRL's own
 ``RoutedExpertTrace``: the same tokens, logprobs and route rows as r3jax's client and trace. And
 SkyRL's own route decoder and encoder against r3jax's, both directions, for E = 384."""
 
@@ -10,17 +10,14 @@ import asyncio
 import httpx
 import numpy as np
 import pytest
-from flax import nnx
 
-from models import MoeConfig, MoeTransformer
 from r3jax import routes as routes_lib
-from r3jax.engine import Engine, GenerateRequest
-from r3jax.serve import RemoteInferenceClient, create_app
+from r3jax.engine import GenerateRequest
+from r3jax.serve import RemoteInferenceClient
 from r3jax.serve.peers import skyrl
 from r3jax.trace import RoutedExpertTrace
 
-ENGINE_KW = dict(max_seq_len=64, max_batch_size=4, block_size=8, prefill_chunk=32, min_prefill_chunk=32,
-                 prefill_rows=4, moe_impl="dense")  # tests/r3jax/serve/test_app.py's: cached programs
+ARGS = ("--max-batch-size", "2", "--max-seq-len", "64")  # test_cluster.py's servers: the same cached programs
 # SkyRL's default vLLM sampling params (inference_servers/engine_utils.py get_vllm_sampling_params),
 # greedy so both clients see the same tokens
 SKYRL_SAMPLING = {"min_tokens": 1, "skip_special_tokens": True, "include_stop_str_in_output": True,
@@ -30,16 +27,24 @@ PROMPT, OBSERVATIONS = [256, 259, 50, 43, 50, 260], ([257, 259, 51, 260], [257, 
 
 
 @pytest.fixture(scope="module")
-def served(serve_helpers):
-    engine = Engine(MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0)), **ENGINE_KW)
-    with serve_helpers.thread_server(create_app(engine, served_model_name="tiny")) as srv:
-        yield engine, srv.url
-    engine.close()
+def served(serve_helpers, request, tmp_path_factory):
+    """``python -m r3jax serve --model tiny`` in a subprocess: what SkyRL users would start."""
+    store = getattr(request.config, "cache", None)
+    cache = store.mkdir("r3jax-serve-jax-cache") if store else tmp_path_factory.mktemp("jax-cache")
+    port = serve_helpers.free_port()
+    proc = serve_helpers.start_process(port, *ARGS, cache_dir=cache)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        serve_helpers.wait_healthy(url, timeout=240, proc=proc)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 def test_skyrls_own_client_over_a_multi_turn_conversation(served, skyrl_client):
     ric, _, sky_routes = skyrl_client
-    engine, url = served
+    url = served
 
     # SkyRL's client is async; drive the same three turns with it and with r3jax's own client
     async def run_skyrl():
@@ -59,7 +64,7 @@ def test_skyrls_own_client_over_a_multi_turn_conversation(served, skyrl_client):
 
     sky_tokens, sky_outs, sky_trace = asyncio.run(run_skyrl())
 
-    ours, tokens = RoutedExpertTrace(moe_layer_ids=engine.moe_layer_ids), list(PROMPT)
+    ours, tokens = RoutedExpertTrace(moe_layer_ids=(1, 2)), list(PROMPT)  # the tiny model's MoE layers
     with RemoteInferenceClient(url) as client:
         for turn, (ids, lps, routes, s, stop) in enumerate(sky_outs):
             req = GenerateRequest(list(tokens), max_tokens=5, temperature=0.0, return_routed_experts=True,

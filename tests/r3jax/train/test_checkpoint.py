@@ -94,8 +94,8 @@ def test_restore_onto_a_different_mesh(tiny, tx, tmp_path):
         mesh = make_mesh(2, 2, 2)
         restored, cursor = ckpt.restore_latest(_fresh_template(tx, mesh))
     assert cursor == [1, 2]
-    gate = restored.params["layers"][1]["mlp"]["gate_proj"][...]
-    assert gate.sharding.mesh == mesh and gate.sharding.spec == jax.sharding.PartitionSpec("expert", "fsdp", None)
+    gate = restored.params["moe_layers"]["mlp"]["gate_proj"][...]  # [L, E, D, I]
+    assert gate.sharding.mesh == mesh and gate.sharding.spec == jax.sharding.PartitionSpec(None, "expert", "fsdp", None)
     assert all(np.array_equal(a, b) for a, b in zip(_leaves(restored.params), _leaves(state.params)))
 
 

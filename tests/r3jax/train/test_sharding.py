@@ -21,21 +21,22 @@ def test_one_device_and_eight_device_steps_agree(tiny, rollout_batch, tx, train_
     s1 = train.init_train_state(model, tx)
     s8 = train.init_train_state(model, tx, mesh=mesh)
 
-    moe = ("layers", 1, "mlp")
-    assert _spec(s8.params, *moe, "gate_proj") == P("expert", "fsdp", None)  # [E, D, I]
-    assert _spec(s8.params, *moe, "down_proj") == P("expert", "fsdp", None)  # [E, I, D], I == D
-    assert _spec(s8.params, *moe, "router") == P("fsdp", None)
+    # scanned layers: the leading layer axis stays unsharded, each layer's tensor as before
+    moe = ("moe_layers", "mlp")
+    assert _spec(s8.params, *moe, "gate_proj") == P(None, "expert", "fsdp", None)  # [L, E, D, I]
+    assert _spec(s8.params, *moe, "down_proj") == P(None, "expert", "fsdp", None)  # [L, E, I, D], I == D
+    assert _spec(s8.params, *moe, "router") == P(None, "fsdp", None)
     assert _spec(s8.params, "embed") == P("fsdp", None)
-    assert _spec(s8.params, "layers", 0, "mlp", "gate_proj") == P(None, "fsdp")  # dense [64, 128]
-    gate = s8.params["layers"][1]["mlp"]["gate_proj"][...]
-    assert gate.addressable_shards[0].data.shape == (4, 32, 64)  # E/2, D/2, I
-    assert _spec(s8.opt_state[0].trace, *moe, "gate_proj") == P("expert", "fsdp", None)
+    assert _spec(s8.params, "dense_layers", "mlp", "gate_proj") == P(None, None, "fsdp")  # dense [1, 64, 128]
+    gate = s8.params["moe_layers"]["mlp"]["gate_proj"][...]
+    assert gate.addressable_shards[0].data.shape == (2, 4, 32, 64)  # L, E/2, D/2, I
+    assert _spec(s8.opt_state[0].trace, *moe, "gate_proj") == P(None, "expert", "fsdp", None)
 
     lr = 0.1  # conftest TX: the first momentum-SGD update is exactly -lr * grad
     p1_before, p8_before = jax.device_get(s1.params), jax.device_get(s8.params)
     s1, m1 = train.train_step(s1, rollout_batch, config=train_cfg)
     s8, m8 = train.train_step(s8, shard_batch(rollout_batch, mesh), config=train_cfg)
-    assert _spec(s8.params, *moe, "gate_proj") == P("expert", "fsdp", None)
+    assert _spec(s8.params, *moe, "gate_proj") == P(None, "expert", "fsdp", None)
     for k in ("loss", "pg_loss", "aux_loss", "grad_norm", "mean_abs_delta", "k3_kl"):
         np.testing.assert_allclose(m8[k], m1[k], rtol=0, atol=1e-5, err_msg=k)
     g1 = jax.tree.map(lambda a, b: (a - b) / lr, p1_before, jax.device_get(s1.params))

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from models import stacking
 from r3jax import train
 from r3jax.batch import collate
 from r3jax.sharding import make_mesh
@@ -60,7 +61,8 @@ def test_router_gets_gradient_under_replay(tiny, rollout_batch, tx, train_cfg):
     assert int(state.step) == 1
     assert float(m["grad_norm"]) > 0.0
     for i in model.config.moe_layer_ids:  # aux_coef=0: the policy loss alone moves the router
-        delta = np.abs(after["layers"][i]["mlp"]["router"][...] - before["layers"][i]["mlp"]["router"][...])
+        router = lambda params: stacking.layer(params, model.config, i)["mlp"]["router"][...]
+        delta = np.abs(router(after) - router(before))
         assert delta.max() > 0.0, f"layer {i} router got no gradient"
 
 

@@ -35,9 +35,13 @@ def test_export_and_load_params_round_trip(tiny, tx, tmp_path):
     assert train.load_params(path, other) is other
     assert _same(nnx.state(other, nnx.Param), state.params)
     wrong = models.MoeTransformer(cfg.replace(num_experts=4), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"does not hold this model's params: layers/1/mlp/down_proj "
-                                         r"has shape \(8, 64, 64\), expected \(4, 64, 64\)"):
+    with pytest.raises(ValueError, match=r"does not hold this model's params: moe_layers/mlp/down_proj "
+                                         r"has shape \(2, 8, 64, 64\), expected \(2, 4, 64, 64\)"):
         train.load_params(path, wrong)
+    unrolled = models.MoeTransformer(cfg.replace(scan_layers=False), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"dense_layers/.* is not a parameter of the model \(the file holds "
+                                         r"scanned layers; the model has scan_layers=False\)"):
+        train.load_params(path, unrolled)
     with pytest.raises(ValueError, match=r"expected an orbax params directory"):
         train.load_params(tmp_path / "missing", other)
 
