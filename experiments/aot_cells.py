@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from models import MoeConfig, MoeTransformer
 from r3jax import sharding as batch_axes
@@ -102,6 +102,16 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def _mesh(layout, devices) -> Mesh:
+    """The engine's mesh; where jax cannot map that shape onto the slice's torus (e.g. 1 x 1 x 16 on
+    2x2x4) the devices in their listed order (per-chip bytes do not depend on the order)."""
+    try:
+        return engine_mesh(*layout, devices=devices)
+    except (ValueError, NotImplementedError, AssertionError):
+        return Mesh(np.asarray(devices, dtype=object).reshape(layout), ("data", "tensor", "expert"),
+                    axis_types=(AxisType.Auto,) * 3)
+
+
 def _placed(place: Placement, params, rest, state):
     params = _abstract(params, jax.tree_util.tree_map_with_path(
         lambda p, x: place.sharding(*place.param_spec(p, x)), params))
@@ -159,7 +169,7 @@ def decode_program(cfg: MoeConfig, devices, *, slots: int, seq_len: int, decode_
     candidates = decode_layouts(cfg, len(devices), slots) if layout is None else [tuple(layout)]
     scored = []
     for lay in candidates:
-        place = Placement(engine_mesh(*lay, devices=devices), cfg)
+        place = Placement(_mesh(lay, devices), cfg)
         placed = _placed(place, params, rest, state)
         scored.append(((chip_bytes(placed[0]) + chip_bytes(placed[2]), -lay[0], lay[1]), lay, place, placed))
     _, layout, place, (params, rest, state) = min(scored, key=lambda s: s[0])

@@ -57,7 +57,7 @@ def _args(argv=None) -> argparse.Namespace:
                          "checkpointing; the decode step never differentiates)")
     ap.add_argument("--cell-timeout", type=float, default=1200.0, help="seconds per cell (its own process)")
     ap.add_argument("--rerun", action="store_true", help="recompute cells already in the results file")
-    ap.add_argument("--retry-timeouts", action="store_true", help="recompute cells that timed out before")
+    ap.add_argument("--retry-failed", action="store_true", help="recompute cells that timed out or errored")
     ap.add_argument("--quick", action="store_true", help="olmoe_1b_7b on v5e:4x4 only, seq 2048")
     ap.add_argument("--out", default=None, help="results file (default experiments/results/scale_plan.json)")
     ap.add_argument("--cell", default=None, help="MODEL,TOPOLOGY,PROGRAM: run one cell here, print its JSON")
@@ -275,7 +275,7 @@ def main(argv=None) -> int:
             for program in a.programs:
                 key = (model, topo.name, program, backend, a.rl_batch, a.seq_len)
                 old = cells[done[key]] if key in done else None
-                if old is not None and not a.rerun and not (a.retry_timeouts and old["status"] == "timeout"):
+                if old is not None and not a.rerun and not (a.retry_failed and old["status"] in ("timeout", "error")):
                     continue
                 print(f"[{time.strftime('%H:%M:%S')}] {model} {topo.name} {program} ({backend}) ...", flush=True)
                 c = _spawn(a, backend, model, topo, program)
