@@ -75,6 +75,10 @@ def tables() -> dict[str, str]:
         out["BENCH_TRANSFER_ABS"] = _t([r for r in d["rows"] if r["T"] == max(x["T"] for x in d["rows"])],
                                        ["wire", "T", "mode", "rows", "raw_bytes", "wire_route_bytes",
                                         "server_gather_ms", "server_encode_ms", "client_decode_ms"])
+    d = _load("bench_ep")
+    if d:
+        out["BENCH_EP"] = _t(d["cost"], ["kernel", "mesh", "layer", "flops_ratio", "bytes_ratio"])
+        out["BENCH_EP_TIME"] = _t(d["wall"], ["run", "step_s", "vs_data8_replicated"])
     d = _load("replay_mismatch")
     if d:
         out["BENCH_REPLAY"] = _t(d["rows"], ["config", "rollout", "replay", "routing_disagreement",

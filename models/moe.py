@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import routers
+from models import expert_parallel, routers
 from models.config import MoeConfig
 from models.layers import DenseMLP
 
@@ -157,8 +157,9 @@ class MoeBlock(nnx.Module):
         ids, weights, live = r.ids, r.gates, r.live_ids
         kernel = {"ragged": experts_ragged, "dense": experts_dense, "loop": experts_loop,
                   "gather": experts_gather}[cfg.moe_impl]
-        y = kernel(xf, ids, weights.astype(dt), self.gate_proj[...].astype(dt),
-                   self.up_proj[...].astype(dt), self.down_proj[...].astype(dt))
+        # expert-parallel under a trainer mesh in context (models/expert_parallel.py), else direct
+        y = expert_parallel.experts(kernel, xf, ids, weights.astype(dt), self.gate_proj[...].astype(dt),
+                                    self.up_proj[...].astype(dt), self.down_proj[...].astype(dt))
         if cfg.num_shared_experts:
             y = y + self.shared(xf)
         mask = jnp.ones((b * t,), bool) if token_mask is None else token_mask.reshape(b * t)

@@ -141,7 +141,7 @@ def collate(trajectories: Sequence[Any], *, seq_len: int | None = None,
     (as :meth:`RoutedExpertTrace.finalize` returns). S is ``seq_len`` or the smallest bucket >= the
     longest trajectory. Padded layout: row r is trajectory r, right-padded. Packed layout: rows from
     :func:`pack_rows`, positions restart at 0 per segment. B is then padded up to a multiple of
-    ``batch_multiple`` (e.g. the mesh's data x fsdp size) with all-padding rows.
+    ``batch_multiple`` (e.g. ``r3jax.sharding.batch_multiple(mesh)``) with all-padding rows.
     """
     if len(trajectories) == 0:
         raise ValueError("trajectories is empty: expected at least one trajectory")

@@ -18,7 +18,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from r3jax.checks import is_int
 
 AXES = ("data", "fsdp", "expert")
-BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over data x fsdp, replicated over expert
+# The batch dimension is split over every axis: outside the MoE layers ``expert`` acts as one more data
+# axis (as in MaxText), so attention and the rest split over all devices; inside them the
+# expert-parallel layer (models/expert_parallel.py) exchanges tokens along fsdp x expert.
+BATCH_AXES = ("data", "fsdp", "expert")
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, expert: int = 1, devices: Sequence[Any] | None = None,
@@ -48,13 +51,14 @@ def make_mesh(data: int = -1, fsdp: int = 1, expert: int = 1, devices: Sequence[
 
 
 def batch_multiple(mesh: Mesh) -> int:
-    """How many shards the batch dimension is split into (data x fsdp): B must be a multiple."""
-    return mesh.shape["data"] * mesh.shape["fsdp"]
+    """How many shards the batch dimension is split into (data x fsdp x expert, the device count):
+    B must be a multiple."""
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """``NamedSharding(mesh, P(("data", "fsdp")))``: dim 0 split over data x fsdp, the rest
-    replicated; valid for every :class:`r3jax.batch.Batch` leaf whatever its rank."""
+    """``NamedSharding(mesh, P(("data", "fsdp", "expert")))``: dim 0 split over data x fsdp x
+    expert, the rest replicated; valid for every :class:`r3jax.batch.Batch` leaf whatever its rank."""
     return NamedSharding(mesh, P(BATCH_AXES))
 
 
@@ -105,8 +109,8 @@ def shard_batch(batch: Any, mesh: Mesh, *, process_local: bool = True) -> Any:
     """
     local = process_local and jax.process_count() > 1
     m = process_batch_multiple(mesh) if local else batch_multiple(mesh)
-    what = (f"this process's share of the data x fsdp shards = {m} (shard_batch takes each "
-            "process's own rows)") if local else f"data x fsdp = {m} (collate(..., batch_multiple={m}))"
+    what = (f"this process's share of the data x fsdp x expert shards = {m} (shard_batch takes each "
+            "process's own rows)") if local else f"data x fsdp x expert = {m} (collate(..., batch_multiple={m}))"
     for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
         name = "batch" + jax.tree_util.keystr(path)
         shape = np.shape(leaf)

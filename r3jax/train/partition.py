@@ -1,5 +1,7 @@
-"""Partition specs for the trainer: expert weights along ``expert``, everything else along ``fsdp``,
-batches along ``data`` x ``fsdp`` (r3jax.sharding); and the mesh helpers the train state uses."""
+"""Partition specs for the trainer: expert weights along ``expert`` x ``fsdp`` (the layout the
+expert-parallel MoE layer runs on, models/expert_parallel.py), everything else along ``fsdp``,
+batches along ``data`` x ``fsdp`` x ``expert`` (r3jax.sharding); and the mesh helpers the train
+state uses."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from models.expert_parallel import expert_weight_spec
 from models.stacking import is_stacked
 from r3jax.sharding import AXES as MESH_AXES
 from r3jax.sharding import batch_multiple as batch_divisor  # noqa: F401 (re-exported)
@@ -49,25 +52,22 @@ def _is_expert_weight(path, ndim: int) -> bool:
 
 
 def param_spec(path, leaf, mesh: Mesh) -> P:
-    """PartitionSpec of one parameter. Expert tensors [E, ...] put E on ``expert`` and their largest
-    other dim on ``fsdp``; every other tensor puts its largest dim on ``fsdp``. A dim is only sharded
-    when the axis size divides it (otherwise it stays replicated, still correct). Stacked layers
+    """PartitionSpec of one parameter. Expert tensors (gate/up ``[E, D, I]``, down ``[E, I, D]``)
+    follow :func:`models.expert_parallel.expert_weight_spec`: E on ``expert`` x ``fsdp`` (else E on
+    ``expert``, I on ``fsdp``), the layout the expert-parallel MoE layer runs on without moving
+    weights; every other tensor puts its largest dim on ``fsdp``. A dim is only sharded when the
+    axis size divides it (otherwise it stays replicated, still correct). Stacked layers
     (models/stacking.py) keep their leading layer axis unsharded (the scan slices it per layer) and
     shard the rest as one layer's tensor."""
     shape = tuple(leaf.shape)
-    stacked = is_stacked(path)
-    lead = 1 if stacked else 0
-    spec: list = [None] * len(shape)
+    lead = 1 if is_stacked(path) else 0
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
-    free = list(range(lead, len(shape)))
-    expert = _is_expert_weight(path, len(shape) - lead)
-    if expert and shape[lead] % sizes["expert"] == 0 and sizes["expert"] > 1:
-        spec[lead] = "expert"
-        free.remove(lead)
-    elif expert:
-        free.remove(lead)  # the expert dim never goes on fsdp: experts are sharded by "expert" only
+    if _is_expert_weight(path, len(shape) - lead):
+        names = [n for n in (_name(p) for p in path) if n != "value"]
+        return P(*([None] * lead), *expert_weight_spec(names[-1], shape, sizes))
+    spec: list = [None] * len(shape)
     if sizes["fsdp"] > 1:
-        for d in sorted(free, key=lambda i: -shape[i]):
+        for d in sorted(range(lead, len(shape)), key=lambda i: -shape[i]):
             if shape[d] % sizes["fsdp"] == 0:
                 spec[d] = "fsdp"
                 break

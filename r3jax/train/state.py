@@ -51,6 +51,12 @@ def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
                          step=rep, rng=rep)
 
 
+def _copy(tree, shardings):
+    """Fresh buffers for every leaf of ``tree`` (already placed as ``shardings``)."""
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), in_shardings=(shardings,),
+                   out_shardings=shardings)(tree)
+
+
 def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, *, mesh: Mesh | None = None,
                      seed: int = 0) -> TrainState:
     """Split ``model`` once and build its TrainState placed on ``mesh`` (default: a 1-device mesh).
@@ -66,9 +72,11 @@ def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, *, mes
                           rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
     sh = state_shardings(abstract, mesh)
     # Copies, never aliases: train_step donates the state, and the model (maybe shared with an
-    # engine) must keep valid buffers.
-    params = jax.device_put(params, sh.params, may_alias=False)
-    rest = jax.device_put(rest, sh.rest, may_alias=False)
+    # engine) must keep valid buffers. device_put(may_alias=False) alone still aliases the source's
+    # buffer on its own device when the target is replicated over several devices (JAX 0.10.2),
+    # so the copy is a jitted one.
+    params = _copy(jax.device_put(params, sh.params), sh.params)
+    rest = _copy(jax.device_put(rest, sh.rest), sh.rest)
     opt_state = jax.jit(tx.init, out_shardings=sh.opt_state)(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), sh.step)
     rng = jax.device_put(jax.random.PRNGKey(seed), sh.rng)

@@ -107,14 +107,24 @@ class _Compiled:
 _CACHE: dict = {}
 
 
+def _on_mesh(fn: Callable, mesh) -> Callable:
+    """``fn`` traced with ``mesh`` in context, so the MoE layers run expert-parallel on it
+    (models/expert_parallel.py); an abstract mesh, since ``jax.set_mesh`` is refused inside jit."""
+    @functools.wraps(fn)
+    def wrapped(*args):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args)
+    return wrapped
+
+
 def _compile(kind: str, state: TrainState, mesh, replay: str, config: LossConfig, with_ref: bool) -> _Compiled:
     state_sh = state_shardings(state, mesh)
     bsh, rep = partition.batch_sharding(mesh), partition.replicated(mesh)
     if kind == "record":
-        jitted = jax.jit(_record_impl, in_shardings=(state_sh, bsh), out_shardings=bsh)
+        jitted = jax.jit(_on_mesh(_record_impl, mesh), in_shardings=(state_sh, bsh), out_shardings=bsh)
         return _Compiled(jitted, mesh, bsh, getattr(state.model(), "config", None))
     impl = _train_impl if kind == "train" else _eval_impl
-    body = functools.partial(impl, replay=replay, config=config)
+    body = _on_mesh(functools.partial(impl, replay=replay, config=config), mesh)
     with_tr = replay == "trainer"
     # positional extras after (state, batch): [ref_logprobs] [trainer_routes]
     def fn(s, b, *extra):
@@ -153,7 +163,7 @@ def make_train_step(state: TrainState, *, replay: str = "rollout", config: LossC
     -> (state, metrics)`` (trainer_routes exactly when ``replay="trainer"``).
 
     Explicit in/out shardings from ``state``'s mesh (params per partition specs, batch along
-    data x fsdp, metrics replicated) and ``donate_argnums=0``: the input state is consumed.
+    data x fsdp x expert, metrics replicated) and ``donate_argnums=0``: the input state is consumed.
     No host-side checks: call :func:`validate_batch` once per batch shape yourself.
     """
     return _lookup("train", state, replay, config, with_ref).fn
@@ -183,7 +193,7 @@ def validate_batch(batch, model_config, mesh) -> None:
         raise ValueError(f"batch.routes dtype={rdt}: expected an integer dtype")
     div = partition.batch_divisor(mesh)
     if shape[0] % div:
-        raise ValueError(f"batch.tokens batch size B={shape[0]}: expected a multiple of data x fsdp = {div}")
+        raise ValueError(f"batch.tokens batch size B={shape[0]}: expected a multiple of data x fsdp x expert = {div}")
 
 
 def _place(tree, sharding):

@@ -57,11 +57,11 @@ def test_shard_batch_specs_shards_and_round_trip(num_experts, dtype):
                    batch_multiple=batch_multiple(mesh))
     assert host.tokens.shape == (8, 8)
     dev = shard_batch(host, mesh)
-    assert batch_sharding(mesh) == NamedSharding(mesh, P(("data", "fsdp")))
+    assert batch_sharding(mesh) == NamedSharding(mesh, P(("data", "fsdp", "expert")))
     for (path, leaf), want in zip(jax.tree_util.tree_leaves_with_path(dev), jax.tree_util.tree_leaves(host)):
         name = jax.tree_util.keystr(path)
         assert isinstance(leaf, jax.Array), name
-        assert leaf.sharding.spec == P(("data", "fsdp")), name
+        assert leaf.sharding.spec == P(("data", "fsdp", "expert")), name
         assert leaf.dtype == want.dtype, name
         shards = leaf.addressable_shards
         assert len(shards) == 8 and {s.data.shape for s in shards} == {(1,) + want.shape[1:]}, name
@@ -76,21 +76,31 @@ def test_shard_batch_refuses_batch_not_divisible():
     mesh = make_mesh(data=4, fsdp=2)
     host = collate(_trajs(8), buckets=(8,), num_experts=8, top_k=K, num_layers=L)  # B = 5
     with pytest.raises(ValueError, match=r"batch.tokens shape=\(5, 8\): expected a leading batch dim "
-                                         r"that is a multiple of data x fsdp = 8 "
+                                         r"that is a multiple of data x fsdp x expert = 8 "
                                          r"\(collate\(..., batch_multiple=8\)\)"):
         shard_batch(host, mesh)
+
+
+def test_batch_is_split_over_the_expert_axis_too():
+    mesh = make_mesh(data=2, expert=4)
+    assert batch_multiple(mesh) == 8
+    x = shard_batch({"x": np.arange(16).reshape(8, 2)}, mesh)["x"]
+    assert sorted(s.index[0].start for s in x.addressable_shards) == list(range(8))
+    with pytest.raises(ValueError, match=r"multiple of data x fsdp x expert = 8"):
+        shard_batch({"x": np.zeros((4, 2))}, mesh)
 
 
 def test_process_rows_and_process_local_input_in_one_process():
     # One process owns every batch shard: its own rows are the whole batch, fed either way.
     mesh = make_mesh(data=2, fsdp=2, expert=2)
-    assert process_rows(mesh, 8) == slice(0, 8) and process_batch_multiple(mesh) == batch_multiple(mesh) == 4
-    host = collate(_trajs(8, count=4), buckets=(8,), num_experts=8, top_k=K, num_layers=L)
+    assert process_rows(mesh, 8) == slice(0, 8) and process_batch_multiple(mesh) == batch_multiple(mesh) == 8
+    host = collate(_trajs(8, count=4), buckets=(8,), num_experts=8, top_k=K, num_layers=L,
+                   batch_multiple=8)
     a, b = shard_batch(host, mesh), shard_batch(host, mesh, process_local=False)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         assert x.sharding == y.sharding == batch_sharding(mesh)
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     for bad in (6, 0, True):
         with pytest.raises(ValueError, match=rf"batch_size={bad!r}: expected a positive multiple of the "
-                                             r"batch shard count 4"):
+                                             r"batch shard count 8"):
             process_rows(mesh, bad)

@@ -2,6 +2,7 @@
 engine collated into one Batch, and one optimizer object (the compiled step is cached per optimizer,
 so every test that shares it shares one compilation)."""
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -90,3 +91,11 @@ def rollout_batch(tiny, rollout_trajs):
     """The rollouts as a padded [4, 32] Batch (uint8 routes, terminal gap uncaptured)."""
     cfg, _ = tiny
     return collate_tiny(rollout_trajs, cfg)
+
+
+@pytest.fixture(scope="session")
+def rollout_batch8(tiny, engine, rollout_batch, make_rollout_batch):
+    """Eight rollouts as a [8, 32] Batch: ``rollout_batch`` and a second draw (seed 1). The batch
+    is split over every device of an 8-device mesh, so multi-device steps need B % 8 == 0."""
+    other, _ = make_rollout_batch(engine, 1)
+    return jax.tree.map(lambda a, b: np.concatenate([np.asarray(a), np.asarray(b)]), rollout_batch, other)

@@ -95,7 +95,7 @@ def test_restore_onto_a_different_mesh(tiny, tx, tmp_path):
         restored, cursor = ckpt.restore_latest(_fresh_template(tx, mesh))
     assert cursor == [1, 2]
     gate = restored.params["moe_layers"]["mlp"]["gate_proj"][...]  # [L, E, D, I]
-    assert gate.sharding.mesh == mesh and gate.sharding.spec == jax.sharding.PartitionSpec(None, "expert", "fsdp", None)
+    assert gate.sharding.mesh == mesh and gate.sharding.spec == jax.sharding.PartitionSpec(None, ("expert", "fsdp"), None, None)
     assert all(np.array_equal(a, b) for a, b in zip(_leaves(restored.params), _leaves(state.params)))
 
 

@@ -154,7 +154,7 @@ def test_host_validation_errors(tiny, rollout_batch, tx, train_cfg):
         train.eval_step(state, bad)
     state8 = train.init_train_state(model, tx, mesh=make_mesh(2, 2, 2))
     three = jax.tree.map(lambda x: np.asarray(x)[:3], rollout_batch)
-    with pytest.raises(ValueError, match=r"batch size B=3: expected a multiple of data x fsdp = 4"):
+    with pytest.raises(ValueError, match=r"batch size B=3: expected a multiple of data x fsdp x expert = 8"):
         train.train_step(state8, three, config=train_cfg)
     explicit = make_mesh(8, 1, 1, axis_type=jax.sharding.AxisType.Explicit)
     with pytest.raises(ValueError, match=r"mesh.axis_types=.*expected all AxisType.Auto"):

@@ -1,0 +1,137 @@
+"""Expert parallelism: the MoE expert kernels under ``jax.shard_map`` on the ambient device mesh.
+
+When a mesh is in context (``jax.set_mesh(mesh)`` outside ``jax.jit``, or
+``jax.sharding.use_abstract_mesh(mesh.abstract_mesh)`` inside it, as ``r3jax.train`` does) whose
+axes of size > 1 are among the trainer's ``(data, fsdp, expert)``, :func:`experts` runs the expert
+kernel per device instead of leaving the layer to XLA's partitioner (which, for the dropless
+``ragged`` kernel, made every device redo the global token sort and most of the expert work):
+
+- tokens ``[N, D]`` (with their ids and gates) are split over every mesh axis: each device sorts
+  and runs only its own ``n = N / devices`` tokens' pairs when experts are not split (``expert``
+  and ``fsdp`` of size 1, e.g. a pure data mesh);
+- experts ``[E, ...]`` are split over ``expert`` x ``fsdp`` (or, when that does not divide E, over
+  ``expert`` with each expert's hidden dim I over ``fsdp``): :func:`expert_weight_spec`, the layout
+  ``r3jax.train.partition`` gives them. A device holds ``E_l`` experts (or their I slices);
+- exchange: the *tokens* (activations, never weights) are all-gathered over the axes the experts
+  are split over, each device runs the kernel on its experts for the (token, slot) pairs routed to
+  them (a token's other slots get the out-of-range id ``E_l``, which every kernel in
+  :mod:`models.moe` skips: a zero one-hot row, dropped by ``bincount(length=...)``, sorted last,
+  outside every ``ragged_dot`` group; a token keeps at most ``min(K, E_l)`` slots, its K ids being
+  distinct), and the partial outputs are summed and scattered back to their devices with one
+  ``psum_scatter`` over the same axes. Expert weights never move.
+
+Which exchange runs where: this all-gather / ``psum_scatter`` exchange, on every backend.
+``jax.lax.ragged_all_to_all`` (sending each pair only to its expert's device) is not used: XLA:CPU
+in JAX 0.10.2 does not implement it ("HLO opcode `ragged-all-to-all` is not supported by XLA:CPU
+ThunkEmitter"), so it could not be tested here. Being dropless with static shapes, a device's
+buffers hold every token of its exchange group (``n x |exchange|`` tokens,
+``x min(K, E_l)`` pairs): that is the worst case a ragged all-to-all must also be sized for.
+
+Routing (router, top-k, replay, gates), the shared experts, the load-balancing loss and the expert
+load stay outside, on the global arrays, so they are exactly the one-device values. Without such a
+mesh, or when the token count does not divide over the devices, :func:`experts` calls the kernel
+directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, PartitionSpec as P
+
+BATCH_AXES = ("data", "fsdp", "expert")  # tokens are split over all of these (in mesh order)
+EXPERT_AXIS = "expert"  # experts [E, ...] split here ...
+HIDDEN_AXIS = "fsdp"  # ... and here too (or, when E does not divide, each expert's hidden dim I)
+
+
+def expert_weight_spec(name: str, shape, sizes) -> tuple:
+    """Spec entries of the trailing three dims of an expert weight: gate/up ``[E, D, I]``, down
+    ``[E, I, D]`` (leading dims, e.g. a stacked layer dim, are the caller's).
+
+    E goes on ``expert`` x ``fsdp`` when that divides it (fsdp then acts as more expert
+    parallelism: fewer experts, hence fewer routed pairs, per device); otherwise E on ``expert``
+    and I on ``fsdp``, each only where the axis size is > 1 and divides the dim (else replicated).
+    name: "gate_proj" | "up_proj" | "down_proj"; shape: the full shape; sizes: {axis: size}.
+    """
+    e, a, b = shape[-3:]
+    i = b if name != "down_proj" else a
+    x, f = sizes.get(EXPERT_AXIS, 1), sizes.get(HIDDEN_AXIS, 1)
+    if f > 1 and e % (x * f) == 0:
+        ea, ia = ((EXPERT_AXIS, HIDDEN_AXIS) if x > 1 else HIDDEN_AXIS), None
+    else:
+        ea = EXPERT_AXIS if x > 1 and e % x == 0 else None
+        ia = HIDDEN_AXIS if f > 1 and i % f == 0 else None
+    return (ea, None, ia) if name != "down_proj" else (ea, ia, None)
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How :func:`experts` splits one layer: tokens over ``batch`` axes, experts over ``expert``
+    axes and I over ``hidden`` (empty: not split), tokens exchanged over ``exchange``."""
+
+    mesh: jax.sharding.AbstractMesh
+    batch: tuple[str, ...]
+    expert: tuple[str, ...]
+    hidden: tuple[str, ...]
+
+    @property
+    def exchange(self) -> tuple[str, ...]:
+        return self.expert + self.hidden
+
+
+def plan(num_tokens: int, num_experts: int, intermediate: int) -> Plan | None:
+    """The :class:`Plan` for the ambient mesh, or None (no mesh, one device, an axis outside
+    :data:`BATCH_AXES` with size > 1, an axis that is not ``Auto`` (e.g. already manual inside a
+    caller's shard_map), or ``num_tokens`` not divisible by the device count)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or any(t != AxisType.Auto for t in mesh.axis_types):
+        return None
+    sizes = dict(mesh.shape)
+    if math.prod(sizes.values()) == 1 or any(n > 1 for a, n in sizes.items() if a not in BATCH_AXES):
+        return None
+    batch = tuple(a for a in mesh.axis_names if a in BATCH_AXES)
+    if num_tokens % math.prod(sizes[a] for a in batch):
+        return None
+    spec = expert_weight_spec("gate_proj", (num_experts, 1, intermediate), sizes)
+    return Plan(mesh, batch, _axes(spec[0]), _axes(spec[2]))
+
+
+def experts(kernel, x, ids, weights, gate, up, down):
+    """``kernel(x, ids, weights, gate, up, down)`` (a :mod:`models.moe` kernel), expert-parallel on
+    the ambient mesh when :func:`plan` finds one. x [N, D]; ids/weights [N, K]; gate/up [E, D, I];
+    down [E, I, D] -> [N, D]."""
+    p = plan(x.shape[0], gate.shape[0], gate.shape[2])
+    if p is None:
+        return kernel(x, ids, weights, gate, up, down)
+    tok = P(p.batch, None)
+    wspec = lambda name: P(*expert_weight_spec(name, gate.shape, dict(p.mesh.shape)))
+    body = lambda *a: _local(kernel, p, *a)
+    return jax.shard_map(body, mesh=p.mesh, in_specs=(tok, tok, tok, wspec("gate_proj"),
+                                                      wspec("up_proj"), wspec("down_proj")),
+                         out_specs=tok)(x, ids, weights, gate, up, down)
+
+
+def _local(kernel, p: Plan, x, ids, weights, gate, up, down):
+    """One device: x/ids/weights [n, ...] its tokens; gate/up [E_l, D, I_l], down [E_l, I_l, D]
+    its expert slices. Returns its tokens' outputs [n, D]."""
+    if not p.exchange:
+        return kernel(x, ids, weights, gate, up, down)
+    gather = lambda a: jax.lax.all_gather(a, p.exchange, axis=0, tiled=True)
+    x, ids, weights = gather(x), gather(ids), gather(weights)  # [M, ...], M = n * |exchange|
+    if p.expert:
+        local = gate.shape[0]
+        first = jax.lax.axis_index(p.expert) * local
+        mine = (ids >= first) & (ids < first + local)
+        ids = jnp.where(mine, ids - first, local)  # `local`: out of range, skipped by the kernel
+        if local < ids.shape[1]:  # K distinct ids: at most `local` of a token's slots are mine
+            keep = jnp.argsort(~mine, axis=1, stable=True)[:, :local]
+            ids, weights = (jnp.take_along_axis(a, keep, axis=1) for a in (ids, weights))
+    partial = kernel(x, ids, weights, gate, up, down)  # [M, D]: my experts' (my I slice's) share
+    return jax.lax.psum_scatter(partial, p.exchange, scatter_dimension=0, tiled=True)
