@@ -67,19 +67,17 @@ def _abstract(tree, shardings):
 
 # ---- meshes --------------------------------------------------------------------------------------
 def train_layout(cfg: MoeConfig, chips: int) -> tuple[int, int, int]:
-    """(data, fsdp, expert) of the trainer's mesh.
+    """(data, fsdp, expert) of the trainer's mesh: every chip on ``fsdp``.
 
-    While the batch splits over data x fsdp only (r3jax.sharding.BATCH_AXES without "expert"), an
-    expert axis would hold a copy of every activation, so every chip goes on ``fsdp``. Once the batch
-    also splits over ``expert`` (the expert-parallel trainer), ``expert`` takes the largest power of
-    two <= 8 that divides the chips and leaves >= 2 experts per expert shard (libtpu 0.0.42 fails to
-    compile the ragged_dot gradient for a lone expert per chip), the rest goes on ``fsdp``."""
-    if "expert" not in batch_axes.BATCH_AXES:
-        return (1, chips, 1)
-    e = 1
-    while e * 2 <= 8 and chips % (e * 2) == 0 and cfg.num_experts % (e * 2) == 0 and cfg.num_experts // (e * 2) >= 2:
-        e *= 2
-    return (1, chips // e, e)
+    The batch splits over every axis (r3jax.sharding.BATCH_AXES) and experts over expert x fsdp
+    (models.expert_parallel.expert_weight_spec: E when it divides, else each expert's hidden dim), so
+    ``fsdp = chips`` splits parameters, optimizer state, experts and batch ``chips`` ways; an expert
+    axis would only move the same split from I to E. One exception: when that leaves exactly one
+    expert per chip (E == chips), libtpu 0.0.42 fails to compile the ragged_dot gradient, so two
+    chips go on ``data`` (two experts per chip, the other weights replicated twice)."""
+    if cfg.num_experts == chips and chips % 2 == 0:
+        return (2, chips // 2, 1)
+    return (1, chips, 1)
 
 
 def decode_layouts(cfg: MoeConfig, chips: int, slots: int) -> list[tuple[int, int, int]]:
