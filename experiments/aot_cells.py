@@ -66,18 +66,28 @@ def _abstract(tree, shardings):
 
 
 # ---- meshes --------------------------------------------------------------------------------------
-def train_layout(cfg: MoeConfig, chips: int) -> tuple[int, int, int]:
-    """(data, fsdp, expert) of the trainer's mesh: every chip on ``fsdp``.
+def train_layouts(cfg: MoeConfig, chips: int, max_tries: int = 6) -> list[tuple[int, int, int]]:
+    """(data, fsdp, expert) layouts of the trainer's mesh to try, most parameter-sharded first:
+    ``(d, chips / d, 1)`` for d = 1, 2, 4, ... (at most ``max_tries``).
 
     The batch splits over every axis (r3jax.sharding.BATCH_AXES) and experts over expert x fsdp
     (models.expert_parallel.expert_weight_spec: E when it divides, else each expert's hidden dim), so
-    ``fsdp = chips`` splits parameters, optimizer state, experts and batch ``chips`` ways; an expert
-    axis would only move the same split from I to E. One exception: when that leaves exactly one
-    expert per chip (E == chips), libtpu 0.0.42 fails to compile the ragged_dot gradient, so two
-    chips go on ``data`` (two experts per chip, the other weights replicated twice)."""
-    if cfg.num_experts == chips and chips % 2 == 0:
-        return (2, chips // 2, 1)
-    return (1, chips, 1)
+    fsdp = chips / d splits parameters, optimizer state and experts that many ways (replicated over
+    data) while the expert-parallel layer gathers tokens over those chips only. An expert axis would
+    only move the same split from I to E, so it stays 1. Layouts leaving exactly one expert per chip
+    are skipped: libtpu 0.0.42 fails to compile the ragged_dot gradient there."""
+    out, d = [], 1
+    while d <= chips and len(out) < max_tries:
+        f = chips // d
+        if chips % d == 0 and not (cfg.num_experts % f == 0 and cfg.num_experts // f < 2):
+            out.append((d, f, 1))
+        d *= 2
+    return out
+
+
+def train_layout(cfg: MoeConfig, chips: int) -> tuple[int, int, int]:
+    """The first of :func:`train_layouts` (the one a CPU-simulated cell compiles)."""
+    return train_layouts(cfg, chips)[0]
 
 
 def decode_layouts(cfg: MoeConfig, chips: int, slots: int) -> list[tuple[int, int, int]]:

@@ -3,7 +3,6 @@ topology path (libtpu's ahead-of-time compiler) only where the tpu-aot extra is 
 
 import math
 
-import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -108,5 +107,15 @@ def test_a_program_too_large_for_hbm_is_reported_as_resource_exhausted():
     big = MoeConfig.tiny(vocab_size=1 << 20, hidden_size=4096, num_layers=1, first_dense_layers=0)
     c = cell("train", "tpu", big)
     assert c["status"] == "RESOURCE_EXHAUSTED", c.get("error")
+    # every layout was tried (each refused), and the cell reports the least demanding one
+    assert [t["mesh"] for t in c["layouts_tried"]] == [dict(zip(AXES, lay)) for lay in aot_cells.train_layouts(big, 4)]
+    assert c["required_bytes"] == min(t["peak_bytes"] for t in c["layouts_tried"])
     assert c["required_bytes"] > c["available_bytes"] and c["available_bytes"] <= 16 << 30
-    assert np.isclose(c["params_bytes"], big.param_count() * 4 / 4)
+    assert c["params_bytes"] == big.param_count() * 4 // math.prod(c["mesh"][a] for a in ("fsdp", "expert"))
+
+
+def test_train_layouts_go_from_all_fsdp_towards_data_and_skip_one_expert_per_chip():
+    assert aot_cells.train_layouts(CFG, 4) == [(1, 4, 1), (2, 2, 1), (4, 1, 1)]
+    # E = 4 on 4 chips would leave one expert per chip (libtpu cannot compile its gradient)
+    assert aot_cells.train_layouts(CFG.replace(num_experts=4), 4) == [(2, 2, 1), (4, 1, 1)]
+    assert len(aot_cells.train_layouts(CFG, 256)) == 6
