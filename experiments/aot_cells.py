@@ -144,7 +144,11 @@ def train_program(cfg: MoeConfig, devices, *, rows: int, seq_len: int, rl_batch:
     """The trainer's R3 step on a ``(data, fsdp, expert)`` mesh of ``devices`` at a minibatch of
     ``rows`` sequences; returns ``(jitted, args, info)`` (info: per-chip bytes and the layout)."""
     layout = train_layout(cfg, len(devices)) if layout is None else tuple(layout)
-    mesh = batch_axes.make_mesh(*layout, devices=devices)
+    try:
+        mesh = batch_axes.make_mesh(*layout, devices=devices)
+    except (ValueError, NotImplementedError, AssertionError):  # shape jax cannot map onto the torus
+        mesh = Mesh(np.asarray(devices, dtype=object).reshape(layout), batch_axes.AXES,
+                    axis_types=(AxisType.Auto,) * 3)
     tx = optax.adamw(1e-6) if tx is None else tx
     state = jax.eval_shape(lambda: init_train_state(MoeTransformer(cfg, rngs=nnx.Rngs(0)), tx, mesh=mesh))
     state = _abstract(state, state_shardings(state, mesh))

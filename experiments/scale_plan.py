@@ -36,7 +36,7 @@ from pathlib import Path
 RESULT = "scale_plan"
 MODELS = ("qwen3_30b_a3b", "olmoe_1b_7b", "mixtral_8x7b")
 LARGE_MODELS = ("glm4_5_air", "qwen3_235b_a22b", "deepseek_v3", "kimi_k2")  # issue 13's presets
-TOPOLOGIES = ("v5e:4x4", "v5e:16x16", "v5p:2x2x1", "v5p:2x2x4", "v5p:4x4x4")
+TOPOLOGIES = ("v5e:4x4", "v5p:2x2x1", "v5p:2x2x4", "v5e:16x16", "v5p:4x4x4")
 _MARK = "SCALE_PLAN_CELL "
 
 
