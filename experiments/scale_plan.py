@@ -14,7 +14,9 @@ are simulated CPU devices and the figures are XLA:CPU's estimate (nothing is ref
 Workload: an RL batch of ``--rl-batch`` sequences x ``--seq-len`` tokens (default 256 x 8192).
 - train: the trainer's jitted R3 step (``make_train_step(replay="rollout")``, AdamW) at a PPO
   minibatch of ``--rows-per-chip`` sequences per batch shard; route bytes are those of the whole RL
-  batch ``[B, S, L, K]`` placed as ``shard_batch`` places it.
+  batch ``[B, S, L, K]`` placed as ``shard_batch`` places it. On TPU the cell tries the trainer's
+  layouts (``aot_cells.train_layouts``: all chips on fsdp, then more data parallelism) and keeps the
+  first that fits, listing every try in ``layouts_tried``.
 - decode: the engine's decode program (``decode_steps`` tokens per call) with ``--rl-batch`` slots,
   every slot live, attention over the whole ``--seq-len`` cache; routes are its slot route buffer.
 
