@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean bench skyrl-client
+.PHONY: demo test venv clean bench skyrl-client scale-plan
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -34,5 +34,20 @@ bench: $(STAMP)
 	for m in bench_model bench_trace bench_decode bench_serve transfer_cost replay_mismatch bench_scan bench_multiprocess bench_ep; do \
 	  $(VENV)/bin/python -m experiments.$$m $(BENCH_ARGS) || exit 1; done
 
+# Memory and compile plan on real TPU topologies (experiments/scale_plan.py): a venv of its own with the
+# tpu-aot extra (jax[tpu] and its libtpu, which compiles for TPU slices on this CPU host), kept apart
+# from .venv so the test venv stays CPU-only. SCALE_PLAN_ARGS passes options (e.g. --quick).
+TPU_VENV := .venv-tpu
+TPU_STAMP := $(TPU_VENV)/.installed
+
+$(TPU_STAMP): pyproject.toml
+	test -x $(TPU_VENV)/bin/python || $(PY) -m venv $(TPU_VENV)
+	$(TPU_VENV)/bin/pip install -q --upgrade pip
+	$(TPU_VENV)/bin/pip install -q -e '.[tpu-aot,dev]'
+	touch $(TPU_STAMP)
+
+scale-plan: $(TPU_STAMP)
+	$(TPU_VENV)/bin/python -m experiments.scale_plan $(SCALE_PLAN_ARGS)
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(TPU_VENV) runs

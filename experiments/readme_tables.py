@@ -120,6 +120,12 @@ def tables() -> dict[str, str]:
     if d:
         out["BENCH_MULTIPROCESS"] = _t(d["results"], ["mesh", "B", "S", "one_ms", "one_gloo_ms", "two_ms",
                                                       "ratio", "ratio_gloo"])
+    d = _load("scale_plan")
+    if d:
+        from experiments.scale_plan import COLUMNS, smallest_lines, summary_rows
+
+        out["SCALE_PLAN"] = _t(summary_rows(d["cells"]), COLUMNS) + "\n\n" + "\n".join(
+            f"- {line}" for line in smallest_lines(d["cells"]))
     d = _load("demo_summary")
     if d:
         cols = ["run", "seeds", "steps", "reward_first", "reward_last", "collapses", "k3_kl", "mean_abs_delta",

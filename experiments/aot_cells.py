@@ -1,0 +1,236 @@
+"""One cell of the memory plan: a program of one model compiled for one mesh, from abstract inputs.
+
+Nothing is allocated: the train state comes from ``jax.eval_shape`` of ``init_train_state`` (so its
+structure is the trainer's own), the engine's slot state from ``jax.eval_shape`` of its
+``init_state``, and every leaf is a ``jax.ShapeDtypeStruct`` carrying the sharding the trainer
+(:func:`r3jax.train.state_shardings`, :func:`r3jax.sharding.batch_sharding`) or the engine
+(:class:`r3jax.engine.sharding.Placement`) would give it. The programs are the trainer's own jitted
+step (:func:`r3jax.train.make_train_step`, R3 replay) and the engine's decode program
+(:func:`r3jax.engine.slots.decode`, jitted as ``Engine._build_decode`` does) lowered at those inputs
+and compiled; per-chip bytes come from each leaf's shard shape, peak memory from XLA.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+
+from models import MoeConfig, MoeTransformer
+from r3jax import sharding as batch_axes
+from r3jax.batch import Batch
+from r3jax.engine import slots as dev
+from r3jax.engine.programs import round_up
+from r3jax.engine.sharding import Placement
+from r3jax.engine.sharding import make_mesh as engine_mesh
+from r3jax.routes import route_dtype
+from r3jax.train import init_train_state, make_train_step, state_shardings
+
+PROGRAMS = ("train", "decode")
+
+
+# ---- per-chip accounting -------------------------------------------------------------------------
+def chip_bytes(tree) -> int:
+    """Bytes one chip holds of ``tree`` (leaves with a ``sharding``): the largest shard of each leaf."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(tuple(leaf.shape))
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def full_bytes(tree) -> int:
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def describe_sharding(leaf) -> dict[str, Any]:
+    """How one array is laid out: its spec, mesh axis sizes, global and per-chip shape."""
+    sh = leaf.sharding
+    spec = str(sh.spec) if isinstance(sh, NamedSharding) else str(sh)
+    return {"spec": spec, "global_shape": list(leaf.shape), "chip_shape": list(sh.shard_shape(tuple(leaf.shape))),
+            "dtype": np.dtype(leaf.dtype).name}
+
+
+def _abstract(tree, shardings):
+    """``tree``'s shapes and dtypes as ShapeDtypeStructs placed like ``shardings`` (same structure)."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+# ---- meshes --------------------------------------------------------------------------------------
+def train_layouts(cfg: MoeConfig, chips: int, max_tries: int = 6) -> list[tuple[int, int, int]]:
+    """(data, fsdp, expert) layouts of the trainer's mesh to try, most parameter-sharded first:
+    ``(d, chips / d, 1)`` for d = 1, 2, 4, ... (at most ``max_tries``).
+
+    The batch splits over every axis (r3jax.sharding.BATCH_AXES) and experts over expert x fsdp
+    (models.expert_parallel.expert_weight_spec: E when it divides, else each expert's hidden dim), so
+    fsdp = chips / d splits parameters, optimizer state and experts that many ways (replicated over
+    data) while the expert-parallel layer gathers tokens over those chips only. An expert axis would
+    only move the same split from I to E, so it stays 1. Layouts leaving exactly one expert per chip
+    are skipped: libtpu 0.0.42 fails to compile the ragged_dot gradient there."""
+    out, d = [], 1
+    while d <= chips and len(out) < max_tries:
+        f = chips // d
+        if chips % d == 0 and not (cfg.num_experts % f == 0 and cfg.num_experts // f < 2):
+            out.append((d, f, 1))
+        d *= 2
+    return out
+
+
+def train_layout(cfg: MoeConfig, chips: int) -> tuple[int, int, int]:
+    """The first of :func:`train_layouts` (the one a CPU-simulated cell compiles)."""
+    return train_layouts(cfg, chips)[0]
+
+
+def decode_layouts(cfg: MoeConfig, chips: int, slots: int) -> list[tuple[int, int, int]]:
+    """Every (data, tensor, expert) factorisation of ``chips`` the engine can use: tensor divides the
+    kv heads (the KV cache splits by kv head), data divides the slots, and each expert shard keeps
+    >= 2 experts (libtpu 0.0.42 fails on a lone expert per chip)."""
+    out = []
+    for t in _divisors(chips):
+        for e in _divisors(chips // t):
+            d = chips // (t * e)
+            if cfg.num_kv_heads % t == 0 and cfg.num_experts % e == 0 and cfg.num_experts // e >= 2 and slots % d == 0:
+                out.append((d, t, e))
+    if not out:
+        raise ValueError(f"no (data, tensor, expert) layout of {chips} chips fits slots={slots}, "
+                         f"num_kv_heads={cfg.num_kv_heads}, num_experts={cfg.num_experts}")
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _mesh(layout, devices) -> Mesh:
+    """The engine's mesh; where jax cannot map that shape onto the slice's torus (e.g. 1 x 1 x 16 on
+    2x2x4) the devices in their listed order (per-chip bytes do not depend on the order)."""
+    try:
+        return engine_mesh(*layout, devices=devices)
+    except (ValueError, NotImplementedError, AssertionError):
+        return Mesh(np.asarray(devices, dtype=object).reshape(layout), ("data", "tensor", "expert"),
+                    axis_types=(AxisType.Auto,) * 3)
+
+
+def _placed(place: Placement, params, rest, state):
+    params = _abstract(params, jax.tree_util.tree_map_with_path(
+        lambda p, x: place.sharding(*place.param_spec(p, x)), params))
+    rest = _abstract(rest, jax.tree.map(lambda _: place.replicated, rest))
+    return params, rest, _abstract(state, place.state(state))
+
+
+# ---- programs ------------------------------------------------------------------------------------
+def abstract_batch(cfg: MoeConfig, rows: int, seq_len: int, sharding) -> Batch:
+    """A training :class:`Batch` of ``[rows, seq_len]`` ShapeDtypeStructs (routes in the compact dtype)."""
+    s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+    b = (rows, seq_len)
+    return Batch(tokens=s(b, jnp.int32), positions=s(b, jnp.int32), segment_ids=s(b, jnp.int32),
+                 attention_mask=s(b, jnp.bool_), loss_mask=s(b, jnp.float32), advantages=s(b, jnp.float32),
+                 rollout_logprobs=s(b, jnp.float32),
+                 routes=s(b + (cfg.num_moe_layers, cfg.top_k), route_dtype(cfg.num_experts)),
+                 route_mask=s(b, jnp.bool_))
+
+
+def train_program(cfg: MoeConfig, devices, *, rows: int, seq_len: int, rl_batch: int, layout=None,
+                  tx: optax.GradientTransformation | None = None):
+    """The trainer's R3 step on a ``(data, fsdp, expert)`` mesh of ``devices`` at a minibatch of
+    ``rows`` sequences; returns ``(jitted, args, info)`` (info: per-chip bytes and the layout)."""
+    layout = train_layout(cfg, len(devices)) if layout is None else tuple(layout)
+    try:
+        mesh = batch_axes.make_mesh(*layout, devices=devices)
+    except (ValueError, NotImplementedError, AssertionError):  # shape jax cannot map onto the torus
+        mesh = Mesh(np.asarray(devices, dtype=object).reshape(layout), batch_axes.AXES,
+                    axis_types=(AxisType.Auto,) * 3)
+    tx = optax.adamw(1e-6) if tx is None else tx
+    state = jax.eval_shape(lambda: init_train_state(MoeTransformer(cfg, rngs=nnx.Rngs(0)), tx, mesh=mesh))
+    state = _abstract(state, state_shardings(state, mesh))
+    bsh = batch_axes.batch_sharding(mesh)
+    batch = abstract_batch(cfg, rows, seq_len, bsh)
+    full = abstract_batch(cfg, rl_batch, seq_len, bsh)
+    info = {"mesh": dict(zip(batch_axes.AXES, layout)), "params_bytes": chip_bytes(state.params),
+            "optimizer_bytes": chip_bytes(state.opt_state), "params_total_bytes": full_bytes(state.params),
+            "minibatch_rows": rows, "minibatch_bytes": chip_bytes(batch),
+            "routes_bytes": chip_bytes(full.routes), "routes_total_bytes": full_bytes(full.routes),
+            "rl_batch_bytes": chip_bytes(full), "routes_sharding": describe_sharding(full.routes),
+            "minibatch_routes_bytes": chip_bytes(batch.routes)}
+    return make_train_step(state, replay="rollout"), (state, batch), info
+
+
+def decode_program(cfg: MoeConfig, devices, *, slots: int, seq_len: int, decode_steps: int = 8,
+                   block_size: int = 16, stop_width: int = 64, layout=None):
+    """The engine's decode program over ``slots`` slots of a ``seq_len`` cache, every slot live and
+    the attention window the whole cache (its largest bucket); returns ``(jitted, args, info)``.
+
+    ``layout`` (data, tensor, expert) defaults to the one of :func:`decode_layouts` with the fewest
+    resident bytes per chip (parameters + slot state as :class:`Placement` places them), ties to the
+    larger data axis."""
+    seq = round_up(seq_len, block_size)  # as Engine: the cache length is whole prefix-cache blocks
+    model = nnx.eval_shape(lambda: MoeTransformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    rdt = route_dtype(cfg.num_experts)
+    state = jax.eval_shape(functools.partial(dev.init_state, cfg, rdt, slots=slots, seq_len=seq,
+                                             stop_width=stop_width))
+    candidates = decode_layouts(cfg, len(devices), slots) if layout is None else [tuple(layout)]
+    scored = []
+    for lay in candidates:
+        place = Placement(_mesh(lay, devices), cfg)
+        placed = _placed(place, params, rest, state)
+        scored.append(((chip_bytes(placed[0]) + chip_bytes(placed[2]), -lay[0], lay[1]), lay, place, placed))
+    _, layout, place, (params, rest, state) = min(scored, key=lambda s: s[0])
+    idx = jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=place.replicated)
+    fn = functools.partial(dev.decode, graphdef, steps=decode_steps, window=seq)
+    jitted = jax.jit(fn, donate_argnums=(2,), out_shardings=place.state(state))  # as Engine._build_decode
+    info = {"mesh": dict(zip(("data", "tensor", "expert"), layout)), "params_bytes": chip_bytes(params),
+            "optimizer_bytes": 0, "params_total_bytes": full_bytes(params), "slots": slots,
+            "kv_cache_bytes": chip_bytes(state.cache), "routes_bytes": chip_bytes(state.routes),
+            "routes_total_bytes": full_bytes(state.routes), "slot_state_bytes": chip_bytes(state),
+            "routes_sharding": describe_sharding(state.routes), "layouts_considered": len(candidates)}
+    return jitted, (params, rest, state, idx), info
+
+
+# ---- compile -------------------------------------------------------------------------------------
+_OOM = re.compile(r"required[^(]*\(([\d.]+)([KMGT])\)[^(]*available HBM \(([\d.]+)([KMGT])\)")
+
+
+def _size(num: str, unit: str) -> int:
+    return int(float(num) * (1 << (10 * "KMGT".index(unit) + 10)))
+
+
+def compile_report(jitted, args) -> dict[str, Any]:
+    """Lower and compile ``jitted`` at ``args``; what XLA says about one chip.
+
+    status "fits" with peak_bytes (``memory_analysis().peak_memory_in_bytes``), argument/output/temp
+    bytes and flops per chip, or "RESOURCE_EXHAUSTED" with what libtpu said it needed and had, or
+    "error" with the message. compile_s counts lowering and compilation."""
+    t0 = time.perf_counter()
+    try:
+        lowered = jitted.lower(*args)
+        t_lower = time.perf_counter() - t0
+        compiled = lowered.compile()
+    except Exception as e:  # noqa: BLE001 - every failure is a result of this cell
+        msg = str(e)
+        out = {"compile_s": time.perf_counter() - t0, "error": msg[:2000]}
+        if "RESOURCE_EXHAUSTED" in msg:
+            out["status"] = "RESOURCE_EXHAUSTED"
+            m = _OOM.search(msg)
+            if m:
+                out["required_bytes"], out["available_bytes"] = _size(*m.group(1, 2)), _size(*m.group(3, 4))
+        else:
+            out["status"] = "error"
+            out["error_type"] = type(e).__name__
+        return out
+    ma = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return {"status": "fits", "compile_s": time.perf_counter() - t0, "lower_s": t_lower,
+            "peak_bytes": int(ma.peak_memory_in_bytes), "argument_bytes": int(ma.argument_size_in_bytes),
+            "output_bytes": int(ma.output_size_in_bytes), "alias_bytes": int(ma.alias_size_in_bytes),
+            "temp_bytes": int(ma.temp_size_in_bytes), "flops": float((cost or {}).get("flops", -1.0))}

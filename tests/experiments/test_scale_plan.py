@@ -1,0 +1,121 @@
+"""experiments/scale_plan.py on a tiny config: the CPU-simulated mesh path always, the real TPU
+topology path (libtpu's ahead-of-time compiler) only where the tpu-aot extra is installed."""
+
+import math
+
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from experiments import aot_cells, scale_plan, topologies
+from models import MoeConfig
+from r3jax.sharding import AXES, BATCH_AXES
+
+CFG = MoeConfig.tiny()  # f32: 4 bytes per parameter
+L, K = CFG.num_moe_layers, CFG.top_k
+RL_BATCH, SEQ = 8, 32
+TOPO = "v5e:2x2"  # 4 chips
+
+
+def cell(program, backend, cfg=CFG):
+    return scale_plan.run_cell(cfg, TOPO, program, backend=backend, rl_batch=RL_BATCH, seq_len=SEQ)
+
+
+@pytest.fixture(scope="module")
+def cpu_train():
+    return cell("train", "cpu")
+
+
+@pytest.fixture(scope="module")
+def cpu_decode():
+    return cell("decode", "cpu")
+
+
+def test_train_cell_on_a_simulated_cpu_mesh(cpu_train):
+    c = cpu_train
+    assert c["status"] == "fits", c.get("error")
+    assert c["chips"] == 4 and c["mesh"] == dict(zip(AXES, aot_cells.train_layout(CFG, 4)))
+    assert math.prod(c["mesh"].values()) == 4
+    # every tiny tensor has a dim divisible by 4, and the parameters split over all 4 chips
+    assert c["params_total_bytes"] == CFG.param_count() * 4
+    assert c["params_bytes"] == CFG.param_count() * 4 // 4
+    assert c["optimizer_bytes"] == 2 * c["params_bytes"] + 4  # AdamW mu, nu and an int32 step count
+    # the RL batch's routes [B, S, L, K] uint8, split by rows over data x fsdp
+    assert c["routes_total_bytes"] == RL_BATCH * SEQ * L * K
+    assert c["routes_bytes"] == RL_BATCH * SEQ * L * K // 4
+    assert c["routes_sharding"] == {"spec": str(P(BATCH_AXES)), "global_shape": [RL_BATCH, SEQ, L, K],
+                                    "chip_shape": [RL_BATCH // 4, SEQ, L, K], "dtype": "uint8"}
+    assert c["minibatch_rows"] == 4 and c["minibatch_routes_bytes"] == SEQ * L * K  # one row per chip
+    assert c["peak_bytes"] > 0 and c["compile_s"] > 0
+
+
+def test_decode_cell_on_a_simulated_cpu_mesh(cpu_decode):
+    c = cpu_decode
+    assert c["status"] == "fits", c.get("error")
+    d, t, e = (c["mesh"][a] for a in ("data", "tensor", "expert"))
+    assert d * t * e == 4 and CFG.num_kv_heads % t == 0 and CFG.num_experts // e >= 2
+    # KV cache [slots, S, Hkv, Dh] per layer (k and v): slots along data, kv heads along tensor
+    kv = 2 * CFG.num_layers * RL_BATCH * SEQ * CFG.num_kv_heads * CFG.head_dim * 4
+    assert c["kv_cache_bytes"] == kv // (d * t)
+    assert c["routes_bytes"] == RL_BATCH * SEQ * L * K // d
+    # the layout chosen has the fewest resident bytes per chip of every layout the engine could use
+    assert (d, t, e) in aot_cells.decode_layouts(CFG, 4, RL_BATCH)
+    resident = {lay: (lambda i: i["params_bytes"] + i["slot_state_bytes"])(aot_cells.decode_program(
+        CFG, topologies.devices(topologies.topology(TOPO), "cpu"), slots=RL_BATCH, seq_len=SEQ, layout=lay)[2])
+        for lay in aot_cells.decode_layouts(CFG, 4, RL_BATCH)}
+    assert c["params_bytes"] + c["slot_state_bytes"] == min(resident.values())
+    # tensor=4 is not offered: the tiny model has 2 kv heads
+    assert all(lay[1] <= CFG.num_kv_heads for lay in resident)
+
+
+def test_summary_names_the_smallest_fitting_topology_and_the_exhausted_ones():
+    base = {"model": "m", "program": "train", "hbm_bytes": 16, "peak_bytes": 1}
+    cells = [{**base, "topology": "big", "chips": 256, "status": "fits"},
+             {**base, "topology": "small", "chips": 16, "status": "fits"},
+             {**base, "topology": "tiny", "chips": 4, "status": "RESOURCE_EXHAUSTED"},
+             {**base, "topology": "slow", "chips": 8, "status": "timeout"}]
+    s = scale_plan.smallest_fitting(cells)["m/train"]
+    assert s["smallest"]["topology"] == "small"
+    assert s["resource_exhausted"] == ["tiny"] and s["not_compiled"] == ["slow (timeout)"]
+
+
+def test_unknown_topology_and_too_few_cpu_devices_are_refused():
+    with pytest.raises(ValueError, match="topology='v9:1x1'"):
+        topologies.topology("v9:1x1")
+    with pytest.raises(ValueError, match="xla_force_host_platform_device_count=256"):
+        topologies.devices(topologies.topology("v5e:16x16"), "cpu")
+
+
+tpu = pytest.mark.skipif(not topologies.tpu_aot_available(),
+                         reason="libtpu is not importable: install the tpu-aot extra (make scale-plan builds .venv-tpu)")
+
+
+@tpu
+def test_train_and_decode_compile_for_a_real_v5e_2x2(cpu_train):
+    c = cell("train", "tpu")
+    assert c["status"] == "fits", c.get("error")
+    assert c["backend"] == "tpu" and c["peak_bytes"] > 0
+    for k in ("params_bytes", "optimizer_bytes", "routes_bytes", "mesh"):  # the layout does not depend on the backend
+        assert c[k] == cpu_train[k]
+    d = cell("decode", "tpu")
+    assert d["status"] == "fits", d.get("error")
+
+
+@tpu
+def test_a_program_too_large_for_hbm_is_reported_as_resource_exhausted():
+    # 2 x 2**20 x 4096 f32 embedding + head = 32 GiB of parameters, 8 GiB per chip, plus 16 GiB of AdamW
+    # state per chip: more than a v5e's 16 GiB
+    big = MoeConfig.tiny(vocab_size=1 << 20, hidden_size=4096, num_layers=1, first_dense_layers=0)
+    c = cell("train", "tpu", big)
+    assert c["status"] == "RESOURCE_EXHAUSTED", c.get("error")
+    # every layout was tried (each refused), and the cell reports the least demanding one
+    assert [t["mesh"] for t in c["layouts_tried"]] == [dict(zip(AXES, lay)) for lay in aot_cells.train_layouts(big, 4)]
+    assert c["required_bytes"] == min(t["peak_bytes"] for t in c["layouts_tried"])
+    assert c["required_bytes"] > c["available_bytes"] and c["available_bytes"] <= 16 << 30
+    assert c["params_bytes"] == big.param_count() * 4 // math.prod(c["mesh"][a] for a in ("fsdp", "expert"))
+
+
+def test_train_layouts_go_from_all_fsdp_towards_data_and_skip_one_expert_per_chip():
+    assert aot_cells.train_layouts(CFG, 4) == [(1, 4, 1), (2, 2, 1), (4, 1, 1)]
+    # E = 4 on 4 chips would leave one expert per chip (libtpu cannot compile its gradient)
+    assert aot_cells.train_layouts(CFG.replace(num_experts=4), 4) == [(2, 2, 1), (4, 1, 1)]
+    assert len(aot_cells.train_layouts(CFG, 256)) == 6
