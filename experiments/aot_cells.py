@@ -29,6 +29,7 @@ from models import MoeConfig, MoeTransformer
 from r3jax import sharding as batch_axes
 from r3jax.batch import Batch
 from r3jax.engine import slots as dev
+from r3jax.engine.engine import decode_program as engine_decode_program
 from r3jax.engine.programs import round_up
 from r3jax.engine.sharding import Placement
 from r3jax.engine.sharding import make_mesh as engine_mesh
@@ -186,8 +187,8 @@ def decode_program(cfg: MoeConfig, devices, *, slots: int, seq_len: int, decode_
         scored.append(((chip_bytes(placed[0]) + chip_bytes(placed[2]), -lay[0], lay[1]), lay, place, placed))
     _, layout, place, (params, rest, state) = min(scored, key=lambda s: s[0])
     idx = jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=place.replicated)
-    fn = functools.partial(dev.decode, graphdef, steps=decode_steps, window=seq)
-    jitted = jax.jit(fn, donate_argnums=(2,), out_shardings=place.state(state))  # as Engine._build_decode
+    fn, kw = engine_decode_program(graphdef, place, state, n=slots, window=seq, steps=decode_steps)
+    jitted = jax.jit(fn, **kw)  # the engine's own decode program (all slots live: the in-place form)
     info = {"mesh": dict(zip(("data", "tensor", "expert"), layout)), "params_bytes": chip_bytes(params),
             "optimizer_bytes": 0, "params_total_bytes": full_bytes(params), "slots": slots,
             "kv_cache_bytes": chip_bytes(state.cache), "routes_bytes": chip_bytes(state.routes),

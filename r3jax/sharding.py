@@ -65,9 +65,12 @@ def place_copy(tree: Any, shardings: Any) -> Any:
     engine's weights after an in-process sync, or the model's). So the copy is a jitted one, with the
     requested shardings exactly (not just equivalent ones) on its outputs."""
     leaves, treedef = jax.tree.flatten(jax.device_put(tree, shardings))
+    targets = tuple(jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)))
+    if len(targets) != len(leaves):
+        raise ValueError(f"shardings: {len(targets)} shardings for {len(leaves)} arrays: expected one per array")
     if not leaves:
         return jax.tree.unflatten(treedef, leaves)
-    return jax.tree.unflatten(treedef, _copier(tuple(x.sharding for x in leaves))(leaves))
+    return jax.tree.unflatten(treedef, _copier(targets)(leaves))
 
 
 def batch_multiple(mesh: Mesh) -> int:

@@ -295,9 +295,9 @@ class Engine:
     def _build_insert(self):
         return dev.insert, {"donate_argnums": (0,), "out_shardings": self.placement.state(self._state)}
 
-    def _build_decode(self, window):
-        fn = functools.partial(dev.decode, self._graphdef, steps=self.decode_steps, window=window)
-        return fn, {"donate_argnums": (2,), "out_shardings": self.placement.state(self._state)}
+    def _build_decode(self, n, window):
+        return decode_program(self._graphdef, self.placement, self._state, n=n, window=window,
+                              steps=self.decode_steps)
 
     def _build_read(self, length):
         return functools.partial(dev.read_slot, length=length), {}
@@ -369,8 +369,11 @@ class Engine:
         window = bucket(need, self._seq_buckets)
         n = bucket(len(live), self._live_buckets)
         idx = np.full((n,), self.max_batch_size, np.int32)
-        idx[:len(live)] = sorted(live)
-        self._state = self._run("decode", (n, window), lambda: self._build_decode(window), self._params, self._rest,
+        if n == self.max_batch_size:  # every slot in place (slots.decode): idx[s] = s where live
+            idx[sorted(live)] = sorted(live)
+        else:
+            idx[:len(live)] = sorted(live)
+        self._state = self._run("decode", (n, window), lambda: self._build_decode(n, window), self._params, self._rest,
                                 self._state, self.placement.put(idx))
         c = self._counters
         c["decode_calls"] += 1
@@ -417,6 +420,15 @@ def _cpu_moe_impl(cfg) -> str:
     from models.config import MOE_IMPLS
 
     return next(impl for impl in ("gather", "loop", "dense") if impl in MOE_IMPLS)
+
+
+def decode_program(graphdef, placement: Placement, state, *, n: int, window: int, steps: int):
+    """``(fn, jit kwargs)`` of the decode program for ``n`` live-slot rows and an attention ``window``
+    (:func:`r3jax.engine.slots.decode`; the slot state is donated and keeps its placement). Also what
+    ``experiments/scale_plan.py`` compiles for real TPU topologies."""
+    fn = functools.partial(dev.decode, graphdef, steps=steps, window=window,
+                           view_sharding=placement.kv(n, by_row=True))
+    return fn, {"donate_argnums": (2,), "out_shardings": placement.state(state)}
 
 
 def _check_like(name: str, got, want) -> None:

@@ -133,21 +133,33 @@ def insert(state: SlotState, cache: KVCache, routes, first, first_lp, slot, new:
 
 
 # ---- decode ----------------------------------------------------------------------------------
-def decode(graphdef, params, rest, state: SlotState, idx, *, steps: int, window: int) -> SlotState:
+def decode(graphdef, params, rest, state: SlotState, idx, *, steps: int, window: int,
+           view_sharding=None) -> SlotState:
     """Advance the slots ``idx`` [n] int32 (every live slot; == B: padding) by up to ``steps`` tokens,
-    in a ``lax.while_loop`` that stops early once all of them are done.
+    in a ``lax.while_loop`` that stops early once all of them are done. With n == B, ``idx[s]`` must be
+    s for a live slot and B otherwise (the in-place form).
 
     The loop runs on a compact copy of those n slots (the model sees [n, ...], so the cost follows the
     live slots, not B) and attends over positions ``[0, window)`` only; the copy is written back at the
     end. The host guarantees every live slot stays below ``window - 1``, the trash position.
+    ``view_sharding``: the copy's sharding (rows along ``data`` like the slots); without it XLA may
+    replicate the gathered copy, i.e. hold every slot's cache window on every device.
     """
     model = nnx.merge(graphdef, params, rest)
     b, s = state.tokens.shape
     valid = idx < b
-    row = jnp.minimum(idx, b - 1)  # padding computes on a copy of some slot; its writes are dropped
+    # n == B: the slots in place (idx[s] is s, or B where slot s is not live), so the cache window is a
+    # slice that stays split over data like the slots. n < B: a gathered compact copy of the live rows.
+    in_place = idx.shape[0] == b
+    row = jnp.arange(b) if in_place else jnp.minimum(idx, b - 1)  # padding rows' writes are dropped
     p = jax.tree.map(lambda x: x[row], state.params)
     trash = window - 1
-    view = jax.tree.map(lambda x: x[:, row, :window], state.cache)  # [n, B, S, ...] -> [n, rows, window, ...]
+    if in_place:
+        view = jax.tree.map(lambda x: x[:, :, :window], state.cache)
+    else:
+        view = jax.tree.map(lambda x: x[:, row, :window], state.cache)  # [n, B, S, ...] -> [n, rows, window, ...]
+    if view_sharding is not None:
+        view = jax.lax.with_sharding_constraint(view, jax.tree.map(lambda _: view_sharding, view))
     carry = (0, state.last[row], state.n_gen[row], state.done[row] | ~valid, state.stopped[row],
              state.tokens, state.logprobs, state.routes, view)
 
@@ -171,7 +183,10 @@ def decode(graphdef, params, rest, state: SlotState, idx, *, steps: int, window:
     _, last, n_gen, done, stopped, tokens, logprobs, routes, view = jax.lax.while_loop(
         lambda c: (c[0] < steps) & jnp.any(~c[3]), body, carry)
     back = lambda full, part: full.at[idx].set(part, mode="drop")
-    cache = jax.tree.map(lambda full, part: full.at[:, idx, :window].set(part, mode="drop"), state.cache, view)
+    if in_place:  # non-live rows only ever wrote their trash position, which nothing reads
+        cache = jax.tree.map(lambda full, part: full.at[:, :, :window].set(part), state.cache, view)
+    else:
+        cache = jax.tree.map(lambda full, part: full.at[:, idx, :window].set(part, mode="drop"), state.cache, view)
     return state.replace(cache=cache, routes=routes, tokens=tokens, logprobs=logprobs, last=back(state.last, last),
                          n_gen=back(state.n_gen, n_gen), done=back(state.done, done),
                          stopped=back(state.stopped, stopped))

@@ -46,7 +46,7 @@ def compile_all(engine) -> int:
                            i32(rows), new)
     for n in e._live_buckets:
         for window in e._seq_buckets:
-            e.programs.get("decode", (n, window), lambda: e._build_decode(window), e._params, e._rest, e._state,
+            e.programs.get("decode", (n, window), lambda: e._build_decode(n, window), e._params, e._rest, e._state,
                            i32(n))
     for length in e._read_buckets:
         e.programs.get("read", length, lambda: e._build_read(length), e._state, put(np.int32(0)),
