@@ -1,12 +1,8 @@
-"""AgentLoop against the real tiny engine in process and over HTTP (greedy, fp32): incremental
-routes equal a full re-gather and one full forward over the final sequence, row for row."""
+"""AgentLoop against the real tiny engine in process and over HTTP (greedy, fp32; the same engine behind
+uvicorn): incremental routes equal a full re-gather and one full forward over the final sequence, row
+for row."""
 
-import os
-import subprocess
-import sys
-import time
 
-import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,21 +28,20 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def server():
-    """The HTTP server subprocess, started first so its start-up overlaps the in-process tests."""
-    pytest.importorskip("uvicorn")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    proc = subprocess.Popen([sys.executable, "-m", "r3jax", "serve", "--model", "tiny", "--host", "127.0.0.1",
-                             "--port", "0", "--max-seq-len", str(MAX_SEQ), "--max-batch-size", "8"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    yield proc
-    proc.terminate()
-    proc.wait(timeout=30)
+def engine(model):
+    engine = Engine(model, max_seq_len=MAX_SEQ, max_batch_size=8)
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="module")
-def engine(model, server):
-    return Engine(model, max_seq_len=MAX_SEQ, max_batch_size=8)
+def server(engine, serve_helpers):
+    """The same engine behind a real uvicorn server in a thread (no warm-up: it compiles what the
+    in-process runs compile, once); ``python -m r3jax serve`` processes are tested in tests/r3jax/serve."""
+    from r3jax.serve import create_app
+
+    with serve_helpers.thread_server(create_app(engine, warmup=False)) as srv:
+        yield srv.url
 
 
 @pytest.fixture(scope="module")
@@ -107,27 +102,10 @@ def test_engine_truncation_at_max_seq_len(engine):
         assert t.loss_mask[t.route_rows + 1:].sum() == 0 and t.captured.sum() == t.route_rows
 
 
-def _wait_for(proc, timeout=180.0) -> str:
-    """The server's URL once it prints it and answers GET /health."""
-    deadline, line = time.monotonic() + timeout, ""
-    while time.monotonic() < deadline and "listening on" not in line:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-    url = line.strip().rsplit(" ", 1)[-1]
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return url
-        except httpx.TransportError:
-            time.sleep(0.2)
-    raise RuntimeError("server did not answer /health")
-
-
 def test_http_client_incremental_equals_full_regather_and_engine(server, engine_runs, model):
     from r3jax.serve.client import RemoteInferenceClient
 
-    with RemoteInferenceClient(_wait_for(server)) as client:
+    with RemoteInferenceClient(server) as client:
         with _loop(client, max_concurrency=4) as inc_loop:
             assert inc_loop.mode == "async"
             inc = inc_loop.run(2, 2, env_seeds=[11, 12])

@@ -1,5 +1,6 @@
-"""Helpers for the serving tests: uvicorn in a background thread or a subprocess on a free loopback
-port, readiness by polling GET /health, and a deterministic fake engine for client-logic tests."""
+"""Helpers for the tests that serve over HTTP (tests/r3jax/serve, rollout, ...): uvicorn in a
+background thread or a subprocess on a free loopback port, readiness by polling GET /health, a
+deterministic fake engine for client-logic tests, and SkyRL's own client modules."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def wait_healthy(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
