@@ -36,26 +36,11 @@ import models  # noqa: E402
 from experiments.common import table, write_json  # noqa: E402
 from models import expert_parallel  # noqa: E402
 from r3jax import train  # noqa: E402
-from r3jax.batch import Batch  # noqa: E402
+from experiments.synthetic import synthetic_batch
 from r3jax.sharding import make_mesh, shard_batch  # noqa: E402
 
 MESHES = {"data8": (8, 1, 1), "data2_expert4": (2, 1, 4), "fsdp2_expert4": (1, 2, 4), "expert8": (1, 1, 8)}
 
-
-def synthetic_batch(cfg, b: int, s: int, seed: int = 0) -> Batch:
-    """A [b, s] batch: random tokens, the last quarter of each row padding, replay rows on 70%."""
-    rng = np.random.default_rng(seed)
-    seg = np.ones((b, s), np.int32)
-    seg[:, -s // 4:] = 0
-    lm = (seg > 0).astype(np.float32)
-    lm[:, 0] = 0
-    routes = np.argsort(rng.random((b, s, cfg.num_moe_layers, cfg.num_experts)), -1)[..., :cfg.top_k]
-    return Batch(tokens=rng.integers(1, cfg.vocab_size, (b, s)).astype(np.int32),
-                 positions=np.tile(np.arange(s, dtype=np.int32), (b, 1)), segment_ids=seg,
-                 attention_mask=seg > 0, loss_mask=lm,
-                 advantages=(rng.normal(size=(b, s)) * lm).astype(np.float32),
-                 rollout_logprobs=(-rng.random((b, s)) * lm).astype(np.float32),
-                 routes=routes.astype(np.uint8), route_mask=rng.random((b, s)) < 0.7)
 
 
 def compiled_step(model, batch, mesh, *, ep: bool):
@@ -108,7 +93,6 @@ def main():
     if args.quick:
         args.batch, args.seq, args.reps = 16, 32, 3
     cfg = models.MoeConfig.tiny()
-    model = models.MoeTransformer(cfg, rngs=nnx.Rngs(0))
     batch = synthetic_batch(cfg, args.batch, args.seq)
     rows, walls = [], {}
     for kernel in args.kernels.split(","):

@@ -24,30 +24,15 @@ import statistics
 import tempfile
 from pathlib import Path
 
-import numpy as np
 
 import models
 from experiments.common import table, write_json
-from r3jax.batch import collate
-from r3jax.train.batch_file import write_rows
+from experiments.synthetic import synthetic_rows
 from r3jax.train.local_job import LocalJob
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = ("8,1,1", "1,4,2")  # pure data parallel; fsdp across both processes x expert
 
-
-def synthetic_rows(path: Path, rows: int, seed: int = 0) -> Path:
-    cfg = models.MoeConfig.tiny()
-    rng = np.random.default_rng(seed)
-    trajs = []
-    for _ in range(rows):
-        n = int(rng.integers(12, 33))
-        routes = np.argsort(rng.random((n, cfg.num_moe_layers, cfg.num_experts)), -1)[..., :cfg.top_k]
-        trajs.append(dict(tokens=rng.integers(1, cfg.vocab_size, n), loss_mask=np.r_[0.0, np.ones(n - 1)],
-                          rollout_logprobs=-rng.random(n), advantage=float(rng.normal()), routes=routes,
-                          captured=np.arange(n) < n - 1))
-    return write_rows(path, collate(trajs, seq_len=32, num_experts=cfg.num_experts, top_k=cfg.top_k,
-                                    num_layers=cfg.num_moe_layers))
 
 
 def step_time(out: Path) -> tuple[float, int]:
@@ -70,7 +55,7 @@ def main(argv=None):
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        rows = synthetic_rows(tmp / "rows", 2 * batch)
+        rows = synthetic_rows(models.MoeConfig.tiny(), tmp / "rows", 2 * batch)
         for mesh in meshes:
             common = ["--data", str(rows), "--batch-size", str(batch), "--mesh", mesh, "--steps", str(steps),
                       "--save-every", str(steps), "--compilation-cache", str(ROOT / "runs" / ".jax-compilation-cache")]

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import models
 from r3jax import train
-from r3jax.batch import Batch
+from experiments.synthetic import synthetic_batch
 from r3jax.sharding import make_mesh, shard_batch
 
 _COLLECTIVE = re.compile(r"= (.*?) (all-gather|all-to-all|collective-permute)(?:-start)?\(")
@@ -38,20 +38,6 @@ def expert_shapes(cfg, mesh) -> set[tuple[int, ...]]:
     full = one | {(cfg.num_moe_layers,) + s for s in one}
     return {tuple(n for n in s if n != 1) for s in full}
 
-
-def synthetic_batch(cfg, b, s, seed=0) -> Batch:
-    """[b, s]: random tokens, the last quarter of each row padding, replayed rows on ~70%."""
-    rng = np.random.default_rng(seed)
-    seg = np.ones((b, s), np.int32)
-    seg[:, -s // 4:] = 0
-    lm = (seg > 0).astype(np.float32)
-    lm[:, 0] = 0
-    routes = np.argsort(rng.random((b, s, cfg.num_moe_layers, cfg.num_experts)), -1)[..., :cfg.top_k]
-    return Batch(tokens=rng.integers(1, cfg.vocab_size, (b, s)).astype(np.int32),
-                 positions=np.tile(np.arange(s, dtype=np.int32), (b, 1)), segment_ids=seg,
-                 attention_mask=seg > 0, loss_mask=lm, advantages=(rng.normal(size=(b, s)) * lm).astype(np.float32),
-                 rollout_logprobs=(-rng.random((b, s)) * lm).astype(np.float32),
-                 routes=routes.astype(np.uint8), route_mask=rng.random((b, s)) < 0.7)
 
 
 def test_compiled_ep_step_gathers_no_expert_weight(tx, train_cfg):

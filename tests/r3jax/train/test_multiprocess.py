@@ -19,10 +19,9 @@ import jax
 import numpy as np
 
 import models
-from r3jax.batch import collate
+from experiments.synthetic import synthetic_rows
 from r3jax.sharding import make_mesh
 from r3jax.train import Checkpointer
-from r3jax.train.batch_file import write_rows
 from r3jax.train.cli import build_state
 from r3jax.train.local_job import LocalJob
 
@@ -30,18 +29,6 @@ ROOT = Path(__file__).resolve().parents[3]
 MESH = "1,4,2"  # fsdp spans both processes: every parameter is split between them
 ROWS, BATCH = 16, 8  # step 1 trains rows 0-7, step 2 rows 8-15
 
-
-def _rows(cfg, path):
-    rng = np.random.default_rng(0)
-    trajs = []
-    for j in range(ROWS):
-        n = int(rng.integers(12, 33))
-        routes = np.argsort(rng.random((n, cfg.num_moe_layers, cfg.num_experts)), -1)[..., :cfg.top_k]
-        trajs.append(dict(tokens=rng.integers(1, cfg.vocab_size, n), loss_mask=np.r_[0.0, np.ones(n - 1)],
-                          rollout_logprobs=-rng.random(n), advantage=float(rng.normal()), routes=routes,
-                          captured=np.arange(n) < n - 1))
-    return write_rows(path, collate(trajs, seq_len=32, num_experts=cfg.num_experts, top_k=cfg.top_k,
-                                    num_layers=cfg.num_moe_layers))
 
 
 def _truncate_arrays(step_dir):
@@ -64,7 +51,7 @@ def _leaves(state):
 
 def test_two_processes_train_like_one_and_checkpoints_cross_process_counts(tmp_path):
     cfg = models.MoeConfig.tiny()
-    rows = _rows(cfg, tmp_path / "rows")
+    rows = synthetic_rows(cfg, tmp_path / "rows", ROWS)
     args = types.SimpleNamespace(config="tiny", seed=0, lr=1e-3)
     # A 1-process checkpoint of the initial state for the 2-process run to resume from, next to an
     # interrupted step (no commit marker) and an unreadable one, which both processes must skip
