@@ -24,7 +24,7 @@ from models.weights import split_weights
 from r3jax.checks import FieldError, check_int
 from r3jax.engine import slots as dev
 from r3jax.engine.prefix_cache import PrefixCache, init_pool, store_blocks
-from r3jax.engine.programs import Programs, bucket, buckets, pow2_at_least, pow2_at_most, round_up
+from r3jax.engine.programs import Programs, bucket, buckets, pow2_at_most, round_up
 from r3jax.engine.request import GenerateOutput, GenerateRequest
 from r3jax.engine.sampling import seed_words
 from r3jax.engine.scheduler import Job, Scheduler

@@ -45,7 +45,6 @@ def build_model(spec: str, *, config: str | None = None, seed: int = 0, dtype=No
 
     from models import MoeTransformer
     from models.hf import load_pretrained
-    from models.weights import WEIGHTS
     from r3jax.params_io import load_params
 
     path = Path(spec)
