@@ -111,10 +111,11 @@ def experts(kernel, x, ids, weights, gate, up, down):
     if p is None:
         return kernel(x, ids, weights, gate, up, down)
     tok = P(p.batch, None)
-    wspec = lambda name: P(*expert_weight_spec(name, gate.shape, dict(p.mesh.shape)))
+    # each weight's spec from its own shape: down's I is its dim 1, and may divide where D does not
+    wspec = lambda name, w: P(*expert_weight_spec(name, w.shape, dict(p.mesh.shape)))
     body = lambda *a: _local(kernel, p, *a)
-    return jax.shard_map(body, mesh=p.mesh, in_specs=(tok, tok, tok, wspec("gate_proj"),
-                                                      wspec("up_proj"), wspec("down_proj")),
+    return jax.shard_map(body, mesh=p.mesh, in_specs=(tok, tok, tok, wspec("gate_proj", gate),
+                                                      wspec("up_proj", up), wspec("down_proj", down)),
                          out_specs=tok)(x, ids, weights, gate, up, down)
 
 

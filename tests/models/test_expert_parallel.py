@@ -13,7 +13,7 @@ from r3jax.sharding import batch_sharding, make_mesh
 from r3jax.train.partition import param_shardings
 
 B, T = 8, 8
-MESHES = {"data2_expert4": (2, 1, 4), "fsdp2_expert4": (1, 2, 4), "expert8": (1, 1, 8)}
+MESHES = {"data2_expert4": (2, 1, 4), "fsdp2_expert4": (1, 2, 4), "expert8": (1, 1, 8), "fsdp8": (1, 8, 1)}
 
 
 def _inputs(cfg):
@@ -37,34 +37,38 @@ def _loss_fn(graphdef):
 
 @pytest.fixture(scope="module")
 def one_device():
-    """Per expert count: (cfg, params, inputs, fn, one-device result)."""
+    """Per (expert count, expert hidden size): (cfg, params, inputs, fn, one-device result)."""
     cache = {}
 
-    def get(num_experts):
-        if num_experts not in cache:
-            cfg = MoeConfig.tiny(moe_intermediate_size=32, num_experts=num_experts, num_layers=2)
+    def get(num_experts, intermediate=32):
+        key = num_experts, intermediate
+        if key not in cache:
+            cfg = MoeConfig.tiny(moe_intermediate_size=intermediate, num_experts=num_experts, num_layers=2)
             graphdef, params = nnx.split(MoeTransformer(cfg, rngs=nnx.Rngs(0)))
             inputs, fn = _inputs(cfg), _loss_fn(graphdef)
-            cache[num_experts] = cfg, params, inputs, fn, jax.device_get(fn(params, *inputs))
-        return cache[num_experts]
+            cache[key] = cfg, params, inputs, fn, jax.device_get(fn(params, *inputs))
+        return cache[key]
     return get
 
 
-# (mesh, E, exchange axes, gate shard [E_l, D, I_l]): experts over expert x fsdp
-CASES = [("data2_expert4", 8, ("expert",), (2, 64, 32)),
-         ("fsdp2_expert4", 8, ("expert", "fsdp"), (1, 64, 32)),
-         ("expert8", 8, ("expert",), (1, 64, 32))]
+# (mesh, E, I, exchange axes, gate shard [E_l, D, I_l]): experts over expert x fsdp; on fsdp8 neither
+# E = 4 nor I = 12 divides 8, so the experts stay whole on every device (no exchange) while the
+# tokens still split 8 ways (a GLM-4.5-Air-like E = 128, I = 1408 on 256 chips is this case)
+CASES = [("data2_expert4", 8, 32, ("expert",), (2, 64, 32)),
+         ("fsdp2_expert4", 8, 32, ("expert", "fsdp"), (1, 64, 32)),
+         ("expert8", 8, 32, ("expert",), (1, 64, 32)),
+         ("fsdp8", 4, 12, (), (4, 64, 12))]
 
 
-@pytest.mark.parametrize("mesh_name,num_experts,exchange,shard", CASES)
-def test_ep_forward_and_grads_equal_one_device(one_device, mesh_name, num_experts, exchange, shard):
-    cfg, params, inputs, fn, ((loss1, out1), grads1) = one_device(num_experts)
+@pytest.mark.parametrize("mesh_name,num_experts,intermediate,exchange,shard", CASES)
+def test_ep_forward_and_grads_equal_one_device(one_device, mesh_name, num_experts, intermediate, exchange, shard):
+    cfg, params, inputs, fn, ((loss1, out1), grads1) = one_device(num_experts, intermediate)
     mesh = make_mesh(*MESHES[mesh_name])
     p8 = jax.device_put(params, param_shardings(params, mesh))
     assert p8["moe_layers"]["mlp"]["gate_proj"][...].addressable_shards[0].data.shape == (1,) + shard  # [L=1, ...]
     x8 = jax.device_put(inputs, batch_sharding(mesh))
     with jax.set_mesh(mesh):
-        assert expert_parallel.plan(B * T, cfg.num_experts, 32).exchange == exchange
+        assert expert_parallel.plan(B * T, cfg.num_experts, intermediate).exchange == exchange
         assert "shard_map" in str(jax.make_jaxpr(fn)(p8, *x8))
         (loss8, out8), grads8 = jax.device_get(fn(p8, *x8))
     assert np.asarray(inputs[2].mask).mean() > 0.3  # replay applies to a good share of the tokens
@@ -100,10 +104,10 @@ def test_every_kernel_under_ep_with_the_hidden_dim_split(kernel, with_grad):
     with jax.set_mesh(mesh):
         p = expert_parallel.plan(n, e, i)
         assert (p.expert, p.hidden) == (("expert",), ("fsdp",))
-        wsh = lambda name: NamedSharding(mesh, P(*expert_parallel.expert_weight_spec(name, gate.shape, mesh.shape)))
+        wsh = lambda name, a: NamedSharding(mesh, P(*expert_parallel.expert_weight_spec(name, a.shape, mesh.shape)))
         tok = NamedSharding(mesh, P(p.batch))
         args = jax.device_put((x, w, gate, up, down),
-                              (tok, tok, wsh("gate_proj"), wsh("up_proj"), wsh("down_proj")))
+                              (tok, tok, wsh("gate_proj", gate), wsh("up_proj", up), wsh("down_proj", down)))
         got = grad(*args)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
