@@ -23,18 +23,32 @@ from models import KVCache, MoeConfig
 
 @struct.dataclass
 class BlockPool:
-    """k[g], v[g]: [n_g, C, bs, Hkv, Dh] per run of layers (the groups of ``KVCache``); routes:
-    [C, bs, L, K] compact dtype."""
+    """k[g], v[g]: [n_g, C, bs, Hkv, Dh] per run of layers (the groups of ``KVCache``), holding the
+    cache's bit patterns as unsigned ints of its width (:func:`bits_dtype`); routes: [C, bs, L, K]
+    compact dtype.
+
+    Bits rather than floats because the pool is updated in place by a scatter, and XLA:CPU runs a
+    bf16 scatter in f32: it converts the whole pool there and back on every store (80 ms per store of
+    a 64 MiB pool, the demo's rollout time), where a uint16 scatter touches only the stored blocks."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
     routes: jax.Array
 
 
+def bits_dtype(dtype) -> np.dtype:
+    """The unsigned int dtype of ``dtype``'s width (what the pool stores a float cache as)."""
+    return np.dtype(f"uint{8 * np.dtype(dtype).itemsize}")
+
+
+def _to_bits(x):
+    return jax.lax.bitcast_convert_type(x, bits_dtype(x.dtype)) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
 def init_pool(cfg: MoeConfig, route_dtype, *, capacity: int, block_size: int) -> BlockPool:
     kv = KVCache.init(cfg, capacity, block_size)  # [n_g, C, bs, Hkv, Dh]
     routes = jnp.zeros((capacity, block_size, cfg.num_moe_layers, cfg.top_k), route_dtype)
-    return BlockPool(k=kv.k, v=kv.v, routes=routes)
+    return BlockPool(k=tuple(map(_to_bits, kv.k)), v=tuple(map(_to_bits, kv.v)), routes=routes)
 
 
 def _blocked(x, block_size, axis=0):
@@ -56,7 +70,8 @@ def load_blocks(pool: BlockPool, cache: KVCache, routes, row, blk, slot):
 
     def put_kv(dst, src):  # [n, B, S, ...] <- [n, C, bs, ...]
         shape = dst.shape
-        return _blocked(dst, bs, 1).at[:, row, blk].set(src[:, slot], mode="drop").reshape(shape)
+        blocks = jax.lax.bitcast_convert_type(src[:, slot], dst.dtype)  # only the N loaded blocks
+        return _blocked(dst, bs, 1).at[:, row, blk].set(blocks, mode="drop").reshape(shape)
 
     cache = KVCache(k=tuple(map(put_kv, cache.k, pool.k)), v=tuple(map(put_kv, cache.v, pool.v)))
     return cache, put(routes, pool.routes)
@@ -69,7 +84,7 @@ def store_blocks(pool: BlockPool, cache: KVCache, routes, row, blk, slot) -> Blo
     """
     bs = pool.routes.shape[1]
     take = lambda dst, src: dst.at[slot].set(_blocked(src, bs)[row, blk], mode="drop")
-    take_kv = lambda dst, src: dst.at[:, slot].set(_blocked(src, bs, 1)[:, row, blk], mode="drop")
+    take_kv = lambda dst, src: dst.at[:, slot].set(_to_bits(_blocked(src, bs, 1)[:, row, blk]), mode="drop")
     return BlockPool(k=tuple(map(take_kv, pool.k, cache.k)), v=tuple(map(take_kv, pool.v, cache.v)),
                      routes=take(pool.routes, routes))
 

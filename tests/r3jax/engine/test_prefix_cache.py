@@ -94,3 +94,36 @@ def test_identical_prefixes_in_one_batch_are_stored_once(tiny_model, make_engine
     assert eng.stats["prefix_cache_blocks"] == 2  # 20 fed tokens: 2 whole blocks, not 8
     assert all(o.output_ids == outs[0].output_ids for o in outs)
     assert _run(eng, prompt).cached_tokens == 16
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_blocks_stored_then_loaded_come_back_bit_for_bit(dtype):
+    """The pool keeps the cache's bit patterns (uint16 for bf16, so its in-place scatter never runs
+    through f32): a stored block loads back into another row exactly, padding entries drop."""
+    import jax
+    import jax.numpy as jnp
+
+    from models import KVCache
+    from r3jax.engine.prefix_cache import init_pool, load_blocks, store_blocks
+
+    cfg = MoeConfig.tiny(dtype=getattr(jnp, dtype))
+    bs, cap = 8, 6
+    cache = KVCache.init(cfg, 2, 32)
+    keys = iter(jax.random.split(jax.random.key(0), 16))
+    fill = lambda x: jax.random.normal(next(keys), x.shape).astype(x.dtype)
+    cache = KVCache(k=tuple(map(fill, cache.k)), v=tuple(map(fill, cache.v)))
+    routes = jax.random.randint(next(keys), (2, 32, cfg.num_moe_layers, cfg.top_k), 0, cfg.num_experts).astype(jnp.uint8)
+    pool = init_pool(cfg, jnp.uint8, capacity=cap, block_size=bs)
+    assert {x.dtype for x in pool.k + pool.v} == {jnp.dtype("uint16" if dtype == "bfloat16" else "uint32")}
+    i32 = lambda *v: jnp.array(v, jnp.int32)
+    # row 0 block 1 -> slot 4, row 1 block 3 -> slot 0, one padding entry (slot == capacity)
+    pool = jax.jit(store_blocks, donate_argnums=(0,))(pool, cache, routes, i32(0, 1, 0), i32(1, 3, 0), i32(4, 0, cap))
+    empty = KVCache.init(cfg, 2, 32)
+    got, got_routes = load_blocks(pool, empty, jnp.zeros_like(routes), i32(1, 0), i32(0, 2), i32(4, 0))
+    for a, b in zip(got.k + got.v, cache.k + cache.v):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a[:, 1, :bs]), np.asarray(b[:, 0, bs:2 * bs]))
+        np.testing.assert_array_equal(np.asarray(a[:, 0, 2 * bs:3 * bs]), np.asarray(b[:, 1, 3 * bs:4 * bs]))
+        assert not np.asarray(a[:, 0, :2 * bs]).any()  # untouched blocks stay as they were
+    np.testing.assert_array_equal(got_routes[1, :bs], routes[0, bs:2 * bs])
+    np.testing.assert_array_equal(got_routes[0, 2 * bs:3 * bs], routes[1, 3 * bs:4 * bs])
