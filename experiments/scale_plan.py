@@ -120,12 +120,13 @@ def run_cell(cfg, topo_name: str, program: str, *, backend: str, rl_batch: int, 
             build_s = time.perf_counter() - t0
             report = aot_cells.compile_report(fn, args)
             tried.append({"mesh": info["mesh"], "status": report["status"], "compile_s": report["compile_s"],
-                          "peak_bytes": report.get("peak_bytes") or report.get("required_bytes")})
+                          "peak_bytes": report.get("peak_bytes") or report.get("required_bytes"),
+                          **({"error": report["error"][:300]} if report["status"] == "error" else {})})
             need = report.get("peak_bytes") or report.get("required_bytes") or float("inf")
             if best is None or report["status"] == "fits" or need < best[0]:
                 best = (need, info, report, build_s)
-            if report["status"] != "RESOURCE_EXHAUSTED":
-                break
+            if report["status"] == "fits":
+                break  # RESOURCE_EXHAUSTED or a compiler error (libtpu 0.0.42 has layout bugs): try the next
         _, info, report, build_s = best
         report = {**report, "compile_s": sum(t["compile_s"] for t in tried)}
     elif program == "decode":
