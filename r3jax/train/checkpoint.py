@@ -124,6 +124,23 @@ def _diff(on_disk: dict, template: dict) -> list[str]:
     return [f"{'/'.join(p)}: {what}" for p, what in sorted(found, key=lambda f: (rank.get(f[0][0], 3), f[0]))]
 
 
+def _layer_layout_hint(on_disk, template) -> str:
+    """A sentence for a checkpoint whose decoder layers are in the other layout (models/stacking.py):
+    ``params/layers/{i}`` (unrolled: ``scan_layers=False``, and every checkpoint written before scanned
+    layers became the default) against ``params/moe_layers`` / ``params/dense_layers`` (scanned)."""
+    layout = lambda paths: ({"unrolled"} if any(p[:2] == ("params", "layers") for p in paths) else set()) | (
+        {"scanned"} if any(p[:2] in (("params", "moe_layers"), ("params", "dense_layers")) for p in paths) else set())
+    disk, want = layout(on_disk), layout(template)
+    if disk == {"unrolled"} and want == {"scanned"}:
+        return (" The checkpoint's layers are unrolled (params/layers/{i}: MoeConfig.scan_layers=False, or "
+                "written before scanned layers became the default): restore it into a state built with "
+                "scan_layers=False, or convert its trees with models.stacking.stack_layers.")
+    if disk == {"scanned"} and want == {"unrolled"}:
+        return (" The checkpoint's layers are scanned (params/moe_layers, MoeConfig.scan_layers=True): restore "
+                "it into a state built with scan_layers=True, or convert with models.stacking.unstack_layers.")
+    return ""
+
+
 class Checkpointer:
     """``Checkpointer(directory, save_every=N, keep=k, async_save=True, config=None)``.
 
@@ -314,16 +331,17 @@ class Checkpointer:
         on_disk = items["state"] if "state" in items.keys() else None
         if on_disk is None:  # no state item, or orbax found no tree metadata file
             raise _Unreadable() from FileNotFoundError(f"{self.directory / str(step) / 'state'}: no _METADATA")
-        diffs = _diff({p: _spec(x) for p, x in tree_io.flatten_nested(on_disk).items()},
-                      {p: _spec(x) for p, x in tree_io.flatten_nested(target).items()})
+        disk_specs = {p: _spec(x) for p, x in tree_io.flatten_nested(on_disk).items()}
+        want_specs = {p: _spec(x) for p, x in tree_io.flatten_nested(target).items()}
+        diffs = _diff(disk_specs, want_specs)
         if diffs:
             listed = "; ".join(diffs[:_MAX_LISTED]) + (f"; and {len(diffs) - _MAX_LISTED} more"
                                                        if len(diffs) > _MAX_LISTED else "")
             raise CheckpointMismatchError(
                 f"checkpoint step {step} in {self.directory} holds a different training state than the "
                 f"one it is restored into (changed optimizer, model config or dtype?): {listed}. Nothing "
-                f"on disk was changed; restore with the original settings or use another directory.",
-                diffs)
+                f"on disk was changed; restore with the original settings or use another directory."
+                + _layer_layout_hint(disk_specs, want_specs), diffs)
         out = self._read(step, lambda: self._mgr.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target))).state)
         self._note_config(step, meta.get("config"))

@@ -257,3 +257,36 @@ def test_changed_settings_are_allowed_and_logged(tiny, tx, tmp_path, caplog):
             restored, cursor = ckpt.restore_latest(_fresh_template(tx))
     assert cursor == 1 and ckpt.config_changes == {"lr": (1e-3, 3e-4)}
     assert "resuming from checkpoint step 1" in caplog.text and "lr 0.001 -> 0.0003" in caplog.text
+
+
+def test_a_checkpoint_of_the_other_layer_layout_is_named_and_still_restores(tx, tmp_path):
+    """A checkpoint with unrolled layers (params/layers/{i}: scan_layers=False, or one written before
+    scanned layers became the default) restored into a scanned state: refused, the message says which
+    layout it holds and how to load it, nothing on disk changes, and the advice works."""
+    from models import stacking
+
+    unrolled_cfg = models.MoeConfig.tiny(scan_layers=False)
+    unrolled = train.init_train_state(models.MoeTransformer(unrolled_cfg, rngs=nnx.Rngs(0)), tx, seed=1)
+    with train.Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(_at_step(unrolled, 4), data_cursor=4)
+    before = _listing(tmp_path)
+    ckpt = train.Checkpointer(tmp_path)
+    with pytest.raises(train.CheckpointMismatchError) as e:
+        ckpt.restore_latest(_fresh_template(tx))
+    assert "params/layers: only in the checkpoint" in e.value.differences
+    assert "params/moe_layers: only in the template" in e.value.differences
+    assert "The checkpoint's layers are unrolled (params/layers/{i}" in str(e.value)
+    assert "restore it into a state built with scan_layers=False" in str(e.value)
+    assert _listing(tmp_path) == before
+    # the advice: restore with scan_layers=False, then stack the parameters for the scanned model
+    state, cursor = ckpt.restore_latest(_fresh_template(tx, scan_layers=False))
+    ckpt.close()
+    assert cursor == 4 and all(np.array_equal(a, b) for a, b in zip(_leaves(state.params), _leaves(unrolled.params)))
+    scanned = models.MoeTransformer(models.MoeConfig.tiny(), rngs=nnx.Rngs(0))  # same seed: same numbers
+    pure = jax.device_get(nnx.to_pure_dict(state.params) if isinstance(state.params, nnx.State) else state.params)
+    stacked = stacking.stack_layers(pure, unrolled_cfg)
+    want = jax.device_get(nnx.to_pure_dict(nnx.state(scanned, nnx.Param)))
+    got_leaves = jax.tree_util.tree_leaves_with_path(stacked)
+    assert len(got_leaves) == len(jax.tree.leaves(want))
+    for (path, a), b in zip(got_leaves, jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
