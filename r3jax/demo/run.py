@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from tqdm import tqdm
 from models import MoeConfig, MoeTransformer
 from models.hf import load_pretrained
 from r3jax.batch import collate
+from r3jax import run_log
 from r3jax.demo.rollouts import Rollouts, make_loop
 from r3jax.sharding import batch_multiple, shard_batch
 from r3jax.train import (Checkpointer, LossConfig, export_params, group_advantages, init_train_state,
@@ -70,30 +70,6 @@ def warm_start(args, model, mesh, generator, out: Path):
     return model, acc
 
 
-def _read_lines(path: Path) -> list[str]:
-    return [line if line.endswith("\n") else line + "\n"
-            for line in (path.read_text().splitlines() if path.exists() else []) if line.strip()]
-
-
-def _keep_aside(path: Path) -> Path | None:
-    """Rename an existing non-empty file or directory to ``<name>.<n>`` (first free n); returns
-    the new path, or None if there was nothing to keep."""
-    if not path.exists() or (path.read_text().strip() == "" if path.is_file() else not any(path.iterdir())):
-        return None
-    n = 1
-    while path.with_name(f"{path.name}.{n}").exists():
-        n += 1
-    dst = path.with_name(f"{path.name}.{n}")
-    path.rename(dst)
-    return dst
-
-
-def _rewrite(path: Path, lines: list[str]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(lines))
-    os.replace(tmp, path)  # atomic: a crash leaves the old log or the new one, never half of it
-
-
 def _start(args, mode: str, ckpt, state, out: Path):
     """Restore (``--resume``) or start fresh; prepare the log. Returns ``(state, first step)``."""
     log_path = out / "metrics.jsonl"
@@ -106,11 +82,11 @@ def _start(args, mode: str, ckpt, state, out: Path):
             print(f"replay={mode} seed={args.seed}: resuming from the step-{start} checkpoint in {ckpt.directory}"
                   + (f" with changed settings: {changes}" if changes else ""), flush=True)
             # steps logged after the checkpoint are re-run: keep only what the checkpoint contains
-            _rewrite(log_path, [x for x in _read_lines(log_path) if json.loads(x)["step"] <= start])
+            run_log.keep_until(log_path, start)
             return state, start
         print(f"replay={mode} seed={args.seed}: --resume found no checkpoint in {ckpt.directory}; starting fresh at step 0",
               flush=True)
-    old = _keep_aside(log_path)
+    old = run_log.keep_aside(log_path)
     if old is not None:
         print(f"replay={mode} seed={args.seed}: starting fresh; the previous log is kept as {old}", flush=True)
     return state, 0
@@ -147,7 +123,7 @@ def run(args, mode: str, warm_model, mesh, rollouts: Rollouts, out: Path) -> lis
     out.mkdir(parents=True, exist_ok=True)
     state = init_train_state(warm_model, adam(args.lr), mesh=mesh, seed=args.seed)
     if not args.resume:  # a fresh run never mixes its steps with an earlier run's checkpoints
-        old = _keep_aside(out / "ckpt")
+        old = run_log.keep_aside(out / "ckpt")
         if old is not None:
             print(f"replay={mode} seed={args.seed}: starting fresh; the previous checkpoints are kept in {old}", flush=True)
     ckpt = Checkpointer(out / "ckpt", save_every=args.save_every, keep=2,

@@ -120,16 +120,13 @@ def write_example_data(args) -> Path:
 def _metrics_log(path: Path, start: int, primary: bool):
     """Process 0's log. Resuming keeps the lines of the steps the restored state contains (later
     ones are re-run); a fresh start keeps an earlier log aside as ``metrics.jsonl.<n>``."""
+    from r3jax import run_log
+
     if not primary:
         return None
-    lines = [x for x in (path.read_text().splitlines() if path.exists() else []) if x.strip()]
-    if start == 0 and lines:
-        n = 1
-        while path.with_name(f"{path.name}.{n}").exists():
-            n += 1
-        path.rename(path.with_name(f"{path.name}.{n}"))
-        lines = []
-    path.write_text("".join(x + "\n" for x in lines if json.loads(x)["step"] <= start))
+    if start == 0:
+        run_log.keep_aside(path)
+    run_log.keep_until(path, start)
     return open(path, "a")
 
 
