@@ -37,6 +37,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
+from models.stacking import GROUPS as STACKED
 from r3jax import tree_io
 from r3jax.train.state import TrainState, state_shardings
 
@@ -128,14 +129,16 @@ def _layer_layout_hint(on_disk, template) -> str:
     """A sentence for a checkpoint whose decoder layers are in the other layout (models/stacking.py):
     ``params/layers/{i}`` (unrolled: ``scan_layers=False``, and every checkpoint written before scanned
     layers became the default) against ``params/moe_layers`` / ``params/dense_layers`` (scanned)."""
-    layout = lambda paths: ({"unrolled"} if any(p[:2] == ("params", "layers") for p in paths) else set()) | (
-        {"scanned"} if any(p[:2] in (("params", "moe_layers"), ("params", "dense_layers")) for p in paths) else set())
+    def layout(paths):
+        tops = {p[1] for p in paths if len(p) > 1 and p[0] == "params"}
+        return ("layers" in tops, bool(tops & set(STACKED)))  # (unrolled, scanned)
+
     disk, want = layout(on_disk), layout(template)
-    if disk == {"unrolled"} and want == {"scanned"}:
+    if disk == (True, False) and want == (False, True):
         return (" The checkpoint's layers are unrolled (params/layers/{i}: MoeConfig.scan_layers=False, or "
                 "written before scanned layers became the default): restore it into a state built with "
                 "scan_layers=False, or convert its trees with models.stacking.stack_layers.")
-    if disk == {"scanned"} and want == {"unrolled"}:
+    if disk == (False, True) and want == (True, False):
         return (" The checkpoint's layers are scanned (params/moe_layers, MoeConfig.scan_layers=True): restore "
                 "it into a state built with scan_layers=True, or convert with models.stacking.unstack_layers.")
     return ""
