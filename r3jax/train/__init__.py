@@ -1,7 +1,8 @@
 """The trainer: TrainState, the replaying policy-gradient step, partition specs, orbax checkpoints
 and weight sync to the rollout side."""
 
-from r3jax.train.checkpoint import Checkpointer, CheckpointMismatchError, CheckpointWriteError
+from r3jax.train.checkpoint import (Checkpointer, CheckpointMismatchError, CheckpointReadError,
+                                    CheckpointWriteError)
 from r3jax.train.loss import LossConfig, group_advantages, policy_loss, token_logprobs
 from r3jax.train.partition import param_shardings, param_spec, single_device_mesh
 from r3jax.train.ppo import ppo_update
@@ -11,7 +12,7 @@ from r3jax.train.step import (REPLAY_MODES, eval_step, forward_metrics, make_tra
 from r3jax.train.weight_sync import export_params, load_params, push_to_engine, push_to_server
 
 __all__ = [
-    "CheckpointMismatchError", "CheckpointWriteError", "Checkpointer", "LossConfig", "REPLAY_MODES", "TrainState", "eval_step", "export_params",
+    "CheckpointMismatchError", "CheckpointReadError", "CheckpointWriteError", "Checkpointer", "LossConfig", "REPLAY_MODES", "TrainState", "eval_step", "export_params",
     "forward_metrics", "group_advantages", "init_train_state", "load_params", "make_train_step",
     "param_shardings", "param_spec", "policy_loss", "ppo_update", "push_to_engine", "push_to_server",
     "record_trainer_routes",

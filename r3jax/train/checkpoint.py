@@ -8,9 +8,11 @@ save never has a step name; a step directory without orbax's ``commit_success.tx
 
 Restore reads the step's metadata (tree, shapes, dtypes) and compares it with the template before
 reading any array. A *different* state (another optimizer, model config or dtype) raises
-:class:`CheckpointMismatchError` naming every difference and leaves the directory untouched; only a
-step that is incomplete or unreadable (missing or corrupt files, I/O errors) is renamed
-``<step>.damaged`` so that training can fall back to the previous step.
+:class:`CheckpointMismatchError` naming every difference and leaves the directory untouched. Only a
+step proven incomplete or corrupt (a missing commit marker or file, bytes that cannot be decoded:
+see checkpoint_damage) is renamed ``<step>.damaged`` so that training can fall back to the previous
+step; any other read failure (permission denied, an I/O or network-filesystem error) raises
+:class:`CheckpointReadError` naming the path, and nothing on disk changes.
 
 A save that fails (directory gone, read-only or full; orbax's background write raising) raises
 :class:`CheckpointWriteError` from the next call to ``save``/``wait``/``close`` (``save`` is called
@@ -18,13 +20,15 @@ every step, so the run stops at the next step) and from every call after it.
 
 Several processes (``jax.distributed``): every process calls the same methods in the same order
 (orbax saves and restores collectively; each process writes and reads its own shards of a directory
-they all see). Host-side decisions are taken together: a step counts as unreadable when it failed on
-any process, only process 0 renames it, and the others wait for the rename. A checkpoint restores
+they all see). Host-side decisions are taken together: a read failure that is not damage on any
+process stops every process; a step counts as damaged when it is on any process, only process 0
+renames it, and the others wait for the rename. A checkpoint restores
 onto a mesh of any process count (orbax reads whatever shards the new layout needs).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import pathlib
@@ -39,15 +43,14 @@ from jax.sharding import Mesh
 
 from models.stacking import GROUPS as STACKED
 from r3jax import tree_io
+from r3jax.train import checkpoint_damage as damage
+from r3jax.train.checkpoint_damage import CheckpointReadError
 from r3jax.train.state import TrainState, state_shardings
 
 _FORMAT = "r3jax.train.checkpoint/1"
-_COMMIT_FILE = "commit_success.txt"
+_COMMIT_FILE = damage.COMMIT_FILE
+_ITEMS = ("state", "meta")
 _MAX_LISTED = 12  # differences named in one mismatch message
-# tensorstore reports read failures as ValueError("<STATUS>: ..."); these statuses mean the files
-# are missing, short or corrupt (anything else is not damage and propagates).
-_READ_FAILURES = ("NOT_FOUND", "DATA_LOSS", "OUT_OF_RANGE", "FAILED_PRECONDITION", "PERMISSION_DENIED",
-                  "UNAVAILABLE")
 log = logging.getLogger(__name__)
 
 
@@ -66,16 +69,11 @@ class CheckpointWriteError(OSError):
     """A checkpoint save failed; training must not go on believing it is protected."""
 
 
-class _Unreadable(Exception):
-    """Internal: a step whose files are missing or corrupt (quarantined by restore_latest)."""
-
-
-def _failed_anywhere(failed: bool) -> list[int]:
-    """The processes for which ``failed`` is True (every process must call this, in the same order)."""
+def _outcomes(kind: int) -> np.ndarray:
+    """Every process's ``kind`` (every process must call this, in the same order)."""
     if jax.process_count() == 1:
-        return [0] if failed else []
-    flags = np.asarray(multihost_utils.process_allgather(np.array([failed], np.int32))).reshape(-1)
-    return [int(i) for i in np.flatnonzero(flags)]
+        return np.array([kind])
+    return np.asarray(multihost_utils.process_allgather(np.array([kind], np.int32))).reshape(-1)
 
 
 class _Sync:
@@ -93,14 +91,6 @@ class _Sync:
 def _state_tree(state: TrainState) -> dict:
     return {"params": state.params, "rest": state.rest, "opt_state": state.opt_state,
             "step": state.step, "rng": state.rng}
-
-
-def _is_read_failure(e: BaseException) -> bool:
-    if isinstance(e, (OSError, json.JSONDecodeError)):
-        return True
-    if isinstance(e, KeyError):  # orbax: 'Item "state" was not found in the checkpoint'
-        return "not found in the checkpoint" in str(e)
-    return isinstance(e, ValueError) and str(e).split(":", 1)[0] in _READ_FAILURES
 
 
 def _spec(x) -> tuple[tuple[int, ...], str]:
@@ -275,27 +265,26 @@ class Checkpointer:
         template's mesh, i.e. the current one). Returns ``(state, data_cursor)``.
 
         Raises CheckpointMismatchError (a ValueError) if the step holds a different tree, shape
-        or dtype than ``template``, before any array is read.
+        or dtype than ``template``, before any array is read; the read error itself if the step is
+        damaged; CheckpointReadError for any other read failure. Nothing on disk is changed.
         """
-        try:
-            out, error = self._restore(step, template, mesh), None
-        except _Unreadable as e:
-            out, error = None, e.__cause__
-        failed = _failed_anywhere(error is not None)
+        out, damaged = self._attempt(step, template, mesh)
+        if damaged is None:
+            return out
+        why, error = damaged
         if error is not None:
             raise error from None
-        if failed:  # this process read the step; another could not: nobody goes on with it
-            raise OSError(f"checkpoint step {step} in {self.directory} could not be read by process(es) "
-                          f"{failed} (see their errors)")
-        return out
+        raise OSError(f"checkpoint step {step} in {self.directory} {why} (see their errors)")
 
     def restore_latest(self, template: TrainState, *, mesh: Mesh | None = None) -> tuple[TrainState, Any] | None:
         """The newest step that restores cleanly, or None if the directory holds none.
 
-        A step directory without a commit marker, or whose files are missing or corrupt, is skipped
-        with a warning and renamed ``<step>.damaged`` (later saves of that step number then cannot
-        collide with it). A readable step that does not match ``template`` raises
-        CheckpointMismatchError and nothing on disk changes.
+        A step proven damaged -- no commit marker (step's or item's), a file missing, bytes that
+        cannot be decoded (see checkpoint_damage) -- is skipped with a warning and renamed
+        ``<step>.damaged`` (later saves of that step number then cannot collide with it). A readable
+        step that does not match ``template`` raises CheckpointMismatchError, and any other read
+        failure (permission denied, an I/O or network-filesystem error) raises CheckpointReadError
+        naming the path; then nothing on disk changes.
         """
         self.wait()  # never race a save this process started
         self._sync("restore_latest")  # every process has finished its saves before anyone lists
@@ -303,20 +292,48 @@ class Checkpointer:
         steps = sorted(self._mgr.all_steps(), reverse=True)
         self._sync("listed")  # ... and everyone has listed before process 0 renames anything
         for step in steps:
-            out, why = None, None
-            if not self._complete(step):
-                why = f"has no {_COMMIT_FILE} (an interrupted save)"
+            out, damaged = self._attempt(step, template, mesh)
+            if damaged is None:
+                return out
+            self._quarantine(step, damaged[0])
+        return None
+
+    def _attempt(self, step, template, mesh):
+        """Restore ``step`` on every process together: ``(out, None)``, or ``(None, (why, error))``
+        when it is proven damaged on some process (``error``: this process's, None where it read
+        the step). Raises CheckpointReadError on every process when a read failed on any of them for
+        another reason."""
+        step_dir, attempt = self.directory / str(step), 0
+        while True:
+            attempt += 1
+            out, kind, error, why = None, damage.OK, None, None
+            marker = damage.missing_marker(step_dir, _ITEMS)
+            if marker is not None:
+                kind, why = damage.DAMAGED, f"has no {marker.relative_to(step_dir)} (an interrupted save)"
+                error = FileNotFoundError(errno.ENOENT, why, str(marker))
             else:
                 try:
                     out = self._restore(step, template, mesh)
-                except _Unreadable as e:
-                    c = e.__cause__
-                    why = f"could not be read ({type(c).__name__}: {str(c)[:300]})"
-            failed = _failed_anywhere(why is not None)
-            if not failed:
-                return out
-            self._quarantine(step, why or f"could not be read by process(es) {failed}")
-        return None
+                except damage.Unreadable as e:
+                    kind, error = e.kind, e.__cause__
+                    if kind == damage.UNDECODABLE:  # storage's fault or the bytes'? read them ourselves
+                        unreadable = damage.unreadable_file(step_dir)
+                        if unreadable is not None:
+                            kind, error = damage.NOT_DAMAGE, unreadable
+                    why = f"could not be read ({damage.describe(error)})"
+            kinds = _outcomes(kind)
+            elsewhere = [int(i) for i in np.flatnonzero(kinds != damage.OK)]
+            if kinds.max() == damage.NOT_DAMAGE:
+                raise damage.read_error(step_dir, step, error if kind == damage.NOT_DAMAGE else None,
+                                        [int(i) for i in np.flatnonzero(kinds == damage.NOT_DAMAGE)])
+            if kinds.max() == damage.OK:
+                return out, None
+            if kinds.max() == damage.DAMAGED or attempt == 2:
+                return None, (why or f"could not be read by process(es) {elsewhere}", error)
+            # Only undecodable bytes, and every file reads back: read once more (every process, as
+            # orbax restores collectively) so that a transient read error cannot pass for damage.
+            log.warning("checkpoint step %d in %s could not be read (%s); every file reads back, trying "
+                        "once more", step, self.directory, damage.describe(error) if error else "elsewhere")
 
     def _restore(self, step, template, mesh):
         mesh = template.mesh if mesh is None else mesh
@@ -333,7 +350,8 @@ class Checkpointer:
         items = self._read(step, lambda: self._mgr.item_metadata(step))
         on_disk = items["state"] if "state" in items.keys() else None
         if on_disk is None:  # no state item, or orbax found no tree metadata file
-            raise _Unreadable() from FileNotFoundError(f"{self.directory / str(step) / 'state'}: no _METADATA")
+            raise damage.Unreadable(damage.DAMAGED) from FileNotFoundError(
+                errno.ENOENT, "no tree metadata", str(self.directory / str(step) / "state" / "_METADATA"))
         disk_specs = {p: _spec(x) for p, x in tree_io.flatten_nested(on_disk).items()}
         want_specs = {p: _spec(x) for p, x in tree_io.flatten_nested(target).items()}
         diffs = _diff(disk_specs, want_specs)
@@ -354,10 +372,12 @@ class Checkpointer:
     def _read(self, step: int, fn):
         try:
             return fn()
-        except (OSError, ValueError, KeyError) as e:
-            if isinstance(e, CheckpointMismatchError) or not _is_read_failure(e):
-                raise
-            raise _Unreadable() from e
+        except CheckpointMismatchError:
+            raise
+        # Whatever orbax raised is classified (damage or not) and never dropped: _attempt re-raises
+        # it, or the CheckpointReadError that wraps it, unless the step is proven damaged.
+        except Exception as e:  # noqa: BLE001
+            raise damage.Unreadable(damage.classify(e)) from e
 
     def _note_config(self, step: int, saved: dict | None) -> None:
         current = self._config
