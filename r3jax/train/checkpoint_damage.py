@@ -58,13 +58,14 @@ class Unreadable(Exception):
 
 
 def chain(e: BaseException) -> list[BaseException]:
-    """``e`` and its causes, outermost first (orbax wraps a failed array read in a bare
-    ``Exception(...) from err``, so the informative error is at the root)."""
+    """``e`` and its explicit causes (``raise ... from``), outermost first: orbax wraps a failed
+    array read in a bare ``Exception(...) from err``, so the informative error is at the root. An
+    implicit ``__context__`` (raised while another error was handled) is history, not a cause."""
     out, seen = [], set()
     while e is not None and id(e) not in seen:
         out.append(e)
         seen.add(id(e))
-        e = e.__cause__ if e.__cause__ is not None else (None if e.__suppress_context__ else e.__context__)
+        e = e.__cause__
     return out
 
 

@@ -1,6 +1,7 @@
 """Orbax checkpoints: bit-identical resume, keep-k / every-N, data cursor, restore onto another mesh,
-interrupted and damaged steps skipped with a warning, a different state refused without touching the
-directory, failed writes raised, changed settings logged."""
+interrupted and damaged steps (truncated, missing or overwritten in place) skipped with a warning, a
+different state or a permission error refused without touching the directory, a transient read
+error retried, failed writes raised, changed settings logged."""
 
 import errno
 import logging
@@ -290,3 +291,139 @@ def test_a_checkpoint_of_the_other_layer_layout_is_named_and_still_restores(tx, 
     assert len(got_leaves) == len(jax.tree.leaves(want))
     for (path, a), b in zip(got_leaves, jax.tree.leaves(want)):
         np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+
+def _overwrite(paths, fill, start=0.0):
+    """Overwrite each file's bytes from ``start`` (a fraction of its size) to the end, same size."""
+    rng = np.random.default_rng(0)
+    for p in paths:
+        n = p.stat().st_size
+        lo = int(n * start)
+        data = rng.integers(0, 256, n - lo, dtype=np.uint8).tobytes() if fill == "random" else bytes(n - lo)
+        with open(p, "r+b") as fh:
+            fh.seek(lo)
+            fh.write(data)
+    assert paths
+
+
+def _chunks_random(step_dir):  # the arrays' data (zarr chunks in OCDBT value files)
+    _overwrite(sorted((step_dir / "state" / "ocdbt.process_0" / "d").iterdir()), "random")
+
+
+def _chunks_zero(step_dir):
+    _overwrite(sorted((step_dir / "state" / "ocdbt.process_0" / "d").iterdir()), "zero")
+
+
+def _index_body_random(step_dir):  # the OCDBT b-tree node past its header: zstd "Data corruption detected"
+    _overwrite(sorted((step_dir / "state" / "d").iterdir()), "random", start=0.125)
+
+
+@pytest.mark.parametrize("damage", [_chunks_random, _chunks_zero, _index_body_random])
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax: failed read
+def test_data_overwritten_in_place_is_quarantined_and_the_previous_restored(tiny, tx, tmp_path, damage):
+    _, model = tiny
+    state = train.init_train_state(model, tx)
+    with train.Checkpointer(tmp_path, keep=5, async_save=False) as ckpt:
+        for s in (3, 6):
+            ckpt.save(_at_step(state, s), data_cursor=s, force=True)
+    before = {p: (sz, t) for p, sz, t in _listing(tmp_path / "6")}
+    damage(tmp_path / "6")
+    assert {p: sz for p, sz, _ in _listing(tmp_path / "6")} == {p: sz for p, (sz, _) in before.items()}  # same size
+    with train.Checkpointer(tmp_path) as ckpt, pytest.warns(RuntimeWarning, match=r"step 6 .* could not be read"):
+        restored, cursor = ckpt.restore_latest(_fresh_template(tx))
+    assert cursor == 3 and int(restored.step) == 3
+    assert all(np.array_equal(a, b) for a, b in zip(_leaves(restored.params), _leaves(state.params)))
+    assert sorted(os.listdir(tmp_path)) == ["3", "6.damaged"]
+
+
+def _deny_meta_read(monkeypatch, step_dir):
+    """orbax's read of the step's meta JSON fails with EACCES (we run as root: chmod cannot)."""
+    import orbax.checkpoint as ocp
+
+    real = ocp.JsonCheckpointHandler.restore
+    denied = step_dir / "meta" / "metadata"
+
+    def restore(self, directory, *a, **kw):
+        if str(directory) == str(denied.parent):
+            raise PermissionError(errno.EACCES, "Permission denied", str(denied))
+        return real(self, directory, *a, **kw)
+
+    monkeypatch.setattr(ocp.JsonCheckpointHandler, "restore", restore)
+    return denied
+
+
+def _deny_array_read(monkeypatch, step_dir):
+    """The arrays' read fails with EACCES (orbax wraps it in a bare Exception)."""
+    from orbax.checkpoint._src.serialization import serialization
+
+    denied = sorted((step_dir / "state" / "ocdbt.process_0" / "d").iterdir())[0]
+
+    async def read_shard(t, **kw):
+        raise PermissionError(errno.EACCES, "Permission denied", str(denied))
+
+    monkeypatch.setattr(serialization, "_read_shard", read_shard)
+    return denied
+
+
+@pytest.mark.parametrize("deny", [_deny_meta_read, _deny_array_read])
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax: failed read
+def test_permission_error_during_restore_raises_naming_the_path_and_touches_nothing(
+        tiny, tx, tmp_path, monkeypatch, deny):
+    _, model = tiny
+    state = train.init_train_state(model, tx)
+    with train.Checkpointer(tmp_path, keep=5, async_save=False) as ckpt:
+        for s in (3, 6):
+            ckpt.save(_at_step(state, s), data_cursor=s, force=True)
+    before = _listing(tmp_path)
+    denied = deny(monkeypatch, tmp_path / "6")
+    ckpt = train.Checkpointer(tmp_path)
+    with pytest.raises(train.CheckpointReadError) as e:
+        ckpt.restore_latest(_fresh_template(tx))
+    ckpt.close()
+    assert isinstance(e.value, OSError) and e.value.path == str(denied) and e.value.step == 6
+    assert f"checkpoint step 6 in {tmp_path} could not be read: {denied} (PermissionError" in str(e.value)
+    assert "nothing on disk was changed" in str(e.value)
+    assert _listing(tmp_path) == before  # every step directory as it was: no .damaged
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax: failed read
+def test_unreadable_data_directory_raises_naming_it(tiny, tx, tmp_path):
+    _, model = tiny
+    with train.Checkpointer(tmp_path, keep=5, async_save=False) as ckpt:
+        for s in (3, 6):
+            ckpt.save(_at_step(train.init_train_state(model, tx), s), data_cursor=s, force=True)
+    before = _listing(tmp_path)
+    denied = tmp_path / "6" / "state" / "ocdbt.process_0" / "d"
+    denied.chmod(0)
+    try:
+        with train.Checkpointer(tmp_path) as ckpt, pytest.raises(train.CheckpointReadError) as e:
+            ckpt.restore_latest(_fresh_template(tx))
+    finally:
+        denied.chmod(0o755)
+    assert e.value.path == str(denied) and "PermissionError" in str(e.value)
+    assert _listing(tmp_path) == before
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax: failed read
+def test_a_transient_read_error_is_retried_not_quarantined(tiny, tx, tmp_path, monkeypatch):
+    from orbax.checkpoint._src.serialization import serialization
+
+    _, model = tiny
+    state = train.init_train_state(model, tx)
+    with train.Checkpointer(tmp_path, keep=5, async_save=False) as ckpt:
+        for s in (3, 6):
+            ckpt.save(_at_step(state, s), data_cursor=s, force=True)
+    real, calls = serialization._read_shard, []
+
+    async def flaky(t, **kw):  # tensorstore reports every failure as ValueError
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("UNAVAILABLE: the storage did not answer")
+        return await real(t, **kw)
+
+    monkeypatch.setattr(serialization, "_read_shard", flaky)
+    with train.Checkpointer(tmp_path) as ckpt:
+        restored, cursor = ckpt.restore_latest(_fresh_template(tx))
+    assert cursor == 6 and int(restored.step) == 6
+    assert sorted(os.listdir(tmp_path)) == ["3", "6"]
