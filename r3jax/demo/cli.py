@@ -66,11 +66,11 @@ def main(argv=None) -> dict:
     raises SystemExit with the error (exit status 1)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    from r3jax.train import CheckpointMismatchError, CheckpointWriteError
+    from r3jax.train import CheckpointMismatchError, CheckpointReadError, CheckpointWriteError
 
     try:
         return _main(args)
-    except (CheckpointMismatchError, CheckpointWriteError) as e:
+    except (CheckpointMismatchError, CheckpointReadError, CheckpointWriteError) as e:
         raise SystemExit(f"r3jax demo: error: {e}") from e
 
 

@@ -192,7 +192,7 @@ def main(argv=None) -> dict | None:
     import jax
 
     from r3jax import distributed
-    from r3jax.train import CheckpointMismatchError, CheckpointWriteError
+    from r3jax.train import CheckpointMismatchError, CheckpointReadError, CheckpointWriteError
 
     if args.local_devices is not None:
         jax.config.update("jax_num_cpu_devices", args.local_devices)
@@ -210,5 +210,5 @@ def main(argv=None) -> dict | None:
         raise SystemExit(f"r3jax train: error: {e}") from e
     try:
         return train(args)
-    except (CheckpointMismatchError, CheckpointWriteError, ValueError) as e:
+    except (CheckpointMismatchError, CheckpointReadError, CheckpointWriteError, ValueError) as e:
         raise SystemExit(f"r3jax train: error: {e}") from e
