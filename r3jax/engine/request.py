@@ -14,20 +14,12 @@ from typing import Sequence
 
 import numpy as np
 
-from r3jax.checks import FieldError, check_int, check_prompt_start, is_int
+from r3jax.checks import (DEFAULT_LOGPROBS_MODE, LOGPROBS_MODES, FieldError, check_int, check_logprobs_mode,
+                          check_prompt_start, is_int)
+
+__all__ = ["DEFAULT_LOGPROBS_MODE", "LOGPROBS_MODES", "GenerateOutput", "GenerateRequest", "check_logprobs_mode"]
 
 _SEED_LIMIT = 1 << 64  # seeds become a 64-bit PRNG key (two uint32 words)
-
-# vLLM's --logprobs-mode names (the two logprob forms; vLLM's *_logits forms are not offered)
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
-DEFAULT_LOGPROBS_MODE = "raw_logprobs"  # vLLM's default
-
-
-def check_logprobs_mode(value, field: str = "logprobs_mode") -> str:
-    """``value`` if it is one of :data:`LOGPROBS_MODES`, else a FieldError naming ``field``."""
-    if not isinstance(value, str) or value not in LOGPROBS_MODES:
-        raise FieldError(field, value, " or ".join(repr(m) for m in LOGPROBS_MODES))
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
