@@ -4,6 +4,8 @@ importance weights and KL to a reference policy, and group-normalised advantages
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +28,11 @@ class LossConfig:
     auxiliary-loss-free balancing for ``sigmoid_bias_grouped`` routers: after each train step every
     MoE layer's ``router_bias`` (selection only, outside the gradient) moves by
     ``rate * sign(mean load - load)`` from that step's ``expert_load`` (under replay: the replayed
-    experts over captured tokens); 0 leaves the biases alone.
+    experts over captured tokens); 0 leaves the biases alone. temperature: the trainer's logprobs
+    are ``log_softmax(logits / temperature)``, as verl and SkyRL do with the rollout temperature:
+    with rollouts sampled at temperature T under ``logprobs_mode="processed_logprobs"`` set it to
+    T, so the importance ratio is taken against the distribution that sampled (top-k/top-p are not
+    applied here); with the default ``"raw_logprobs"`` keep 1.0.
     """
 
     clip_eps: float = 0.2
@@ -35,8 +41,11 @@ class LossConfig:
     kl_coef: float = 0.0
     aux_coef: float | None = None
     bias_update_rate: float = 0.0
+    temperature: float = 1.0
 
     def __post_init__(self):
+        t = self.temperature
+        t_ok = isinstance(t, numbers.Real) and not isinstance(t, bool) and math.isfinite(t) and t > 0
         checks = [
             ("clip_eps", 0.0 < self.clip_eps < 1.0, "in (0, 1)"),
             ("clip_eps_high", self.clip_eps_high is None or self.clip_eps_high > 0.0, "None or > 0"),
@@ -44,20 +53,24 @@ class LossConfig:
             ("kl_coef", self.kl_coef >= 0.0, ">= 0"),
             ("aux_coef", self.aux_coef is None or self.aux_coef >= 0.0, "None or >= 0"),
             ("bias_update_rate", self.bias_update_rate >= 0.0, ">= 0"),
+            ("temperature", t_ok, "a finite number > 0 (the rollout's sampling temperature)"),
         ]
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"LossConfig.{name}={getattr(self, name)!r}: expected {expected}")
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Logprob of every token under the logits of the previous position.
+def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """Logprob of every token under the logits of the previous position, divided by ``temperature``.
 
-    logits [B, S, V], tokens [B, S] int -> [B, S] f32 where row i = log softmax(logits[i - 1])[tokens[i]]
-    and row 0 = 0 (nothing predicts the first token). Rows that cross a packed-segment boundary
-    are meaningless and must be masked by loss_mask (0 at every segment start).
+    logits [B, S, V], tokens [B, S] int -> [B, S] f32 where row i =
+    log softmax(logits[i - 1] / temperature)[tokens[i]] and row 0 = 0 (nothing predicts the first
+    token). Rows that cross a packed-segment boundary are meaningless and must be masked by
+    loss_mask (0 at every segment start).
     """
     lg = logits[:, :-1].astype(jnp.float32)
+    if temperature != 1.0:  # a static float: the default program is unchanged
+        lg = lg / temperature
     picked = jnp.take_along_axis(lg, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
     lp = picked - jax.nn.logsumexp(lg, axis=-1)
     return jnp.pad(lp, ((0, 0), (1, 0)))
