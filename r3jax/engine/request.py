@@ -42,8 +42,8 @@ class GenerateRequest:
       token is always inside the kept set, so its logprob is finite). Greedy rows
       (``temperature=0``) are untempered and unfiltered, as in vLLM, so there processed equals raw.
 
-    A trainer taking importance ratios against processed logprobs must divide its logits by the same
-    temperature (``r3jax.train.LossConfig(temperature=...)``).
+    A trainer taking importance ratios against processed logprobs must process its logits the same
+    way (``r3jax.train.LossConfig(temperature=T, top_k=k, top_p=p)`` with the request's values).
     """
 
     prompt_ids: Sequence[int]

@@ -15,7 +15,7 @@ class SamplingParams:
     """Per-turn sampling. ``stop_token_ids=None`` takes the environment's ``stop_token_ids``.
     ``logprobs_mode``: the engine's (vLLM's names): "raw_logprobs" (default) records log_softmax of
     the model's logits; "processed_logprobs" records the sampled distribution's (after temperature,
-    top-k, top-p), to train with ``LossConfig(temperature=<this temperature>)``."""
+    top-k, top-p), to train with ``LossConfig(temperature=, top_k=, top_p=)`` set to these values."""
 
     max_tokens: int = 8
     temperature: float = 1.0
