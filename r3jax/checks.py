@@ -7,6 +7,7 @@ the trace, ``collate``) calls these, so each rule is written once:
 - :func:`check_prompt_start`: ``0 <= s <= P`` (DESIGN.md §3).
 - :func:`check_route_ids`: an integer (non-bool) array of expert ids in ``[0, E)``, distinct within
   each (token, layer), naming the token, layer and value it found.
+- :func:`check_logprobs_mode`: one of vLLM's logprobs-mode names r3jax offers (:data:`LOGPROBS_MODES`).
 
 A failed check raises :class:`FieldError`, a ``ValueError`` whose ``field`` / ``value`` / ``expected``
 attributes let a server build its 4xx body without parsing the message.
@@ -130,3 +131,15 @@ def _at(field: str, index: tuple[int, ...]) -> str:
     else:
         where = "index " + ", ".join(str(i) for i in rows)
     return f"{field} ({where}, layer {layer})" if rows else f"{field} (layer {layer})"
+
+
+# vLLM's --logprobs-mode names for the two logprob forms (vLLM's *_logits forms are not offered)
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+DEFAULT_LOGPROBS_MODE = "raw_logprobs"  # vLLM's default
+
+
+def check_logprobs_mode(value: Any, field: str = "logprobs_mode") -> str:
+    """``value`` if it is one of :data:`LOGPROBS_MODES` (a str, exactly), else FieldError naming ``field``."""
+    if not isinstance(value, str) or value not in LOGPROBS_MODES:
+        raise FieldError(field, value, " or ".join(repr(m) for m in LOGPROBS_MODES))
+    return value

@@ -360,7 +360,8 @@ class Engine:
         return dev.SlotParams(
             prompt_len=pad((len(j.prompt) for j in jobs), 1, np.int32), max_new=field("max_tokens", 1, np.int32),
             temperature=field("temperature", 0.0, np.float32), top_k=field("top_k", 0, np.int32),
-            top_p=field("top_p", 1.0, np.float32), key_data=key_data, stop_ids=stop_ids)
+            top_p=field("top_p", 1.0, np.float32), key_data=key_data, stop_ids=stop_ids,
+            processed=pad((j.request.logprobs_mode == "processed_logprobs" for j in jobs), False, bool))
 
     def decode(self, live: dict[int, Job], n_gen: np.ndarray):
         """One decode call over the live slots; returns ``(n_gen [B], done [B])`` on the host."""

@@ -14,7 +14,10 @@ from typing import Sequence
 
 import numpy as np
 
-from r3jax.checks import FieldError, check_int, check_prompt_start, is_int
+from r3jax.checks import (DEFAULT_LOGPROBS_MODE, LOGPROBS_MODES, FieldError, check_int, check_logprobs_mode,
+                          check_prompt_start, is_int)
+
+__all__ = ["DEFAULT_LOGPROBS_MODE", "LOGPROBS_MODES", "GenerateOutput", "GenerateRequest", "check_logprobs_mode"]
 
 _SEED_LIMIT = 1 << 64  # seeds become a 64-bit PRNG key (two uint32 words)
 
@@ -28,6 +31,19 @@ class GenerateRequest:
     token is included in ``output_ids`` and ends the request with finish_reason "stop".
     ``routed_experts_prompt_start`` = s: the route rows returned are those of absolute positions
     ``[s, P + G - 1)``. ``session_id`` is carried for callers (the prefix cache is keyed by tokens).
+
+    ``logprobs_mode`` (vLLM's ``--logprobs-mode`` names and meaning) picks which distribution the
+    returned logprobs are taken under:
+
+    - ``"raw_logprobs"`` (default, as in vLLM): log_softmax of the model's logits, before
+      temperature, top-k and top-p.
+    - ``"processed_logprobs"``: log_softmax of the logits after temperature scaling and top-k/top-p
+      masking, i.e. the renormalised distribution the token was actually sampled from (the sampled
+      token is always inside the kept set, so its logprob is finite). Greedy rows
+      (``temperature=0``) are untempered and unfiltered, as in vLLM, so there processed equals raw.
+
+    A trainer taking importance ratios against processed logprobs must process its logits the same
+    way (``r3jax.train.LossConfig(temperature=T, top_k=k, top_p=p)`` with the request's values).
     """
 
     prompt_ids: Sequence[int]
@@ -41,6 +57,7 @@ class GenerateRequest:
     return_routed_experts: bool = False
     routed_experts_prompt_start: int = 0
     session_id: str | None = None
+    logprobs_mode: str = DEFAULT_LOGPROBS_MODE
 
     def validate(self, *, vocab_size: int, max_seq_len: int, max_stop_tokens: int | None = None) -> np.ndarray:
         """Check every field; return the prompt as an int32 array ``[P]``. Raises
@@ -71,6 +88,7 @@ class GenerateRequest:
         check_prompt_start(self.routed_experts_prompt_start, p)
         if self.session_id is not None and not isinstance(self.session_id, str):
             raise FieldError("session_id", self.session_id, "a str or None")
+        check_logprobs_mode(self.logprobs_mode)
         return prompt
 
 
@@ -79,7 +97,8 @@ class GenerateOutput:
     """The continuation of one request.
 
     output_ids: the G sampled tokens (a stop token included). logprobs: log-probability of each under
-    the temperature-1 distribution (log_softmax of the raw logits), or None if not asked for.
+    the distribution the request's ``logprobs_mode`` names (raw: log_softmax of the model's logits;
+    processed: after temperature and top-k/top-p), or None if not asked for.
     routed_experts: ``[P - s + G - 1, L, K]`` in ``r3jax.routes.route_dtype(E)``, the rows of absolute
     positions ``[s, P + G - 1)`` (rows of prefix-cached positions are the ones recorded when those
     tokens were first processed), or None. cached_tokens: prompt tokens whose KV came from the prefix

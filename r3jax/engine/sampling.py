@@ -1,4 +1,5 @@
-"""Per-request token sampling inside jitted code: greedy, temperature, top-k, top-p, seeded keys.
+"""Per-request token sampling inside jitted code: greedy, temperature, top-k, top-p, seeded keys, and
+the sampled token's logprob under the raw or the processed distribution (vLLM's logprobs modes).
 
 Every row of a batch carries its own parameters, so one compiled program serves any mix of them.
 """
@@ -27,7 +28,8 @@ def step_keys(key_data: jax.Array, index: jax.Array) -> jax.Array:
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """log p(token) under the temperature-1 distribution. logits [B, V] f32, tokens [B] -> [B] f32."""
+    """log p(token) under log_softmax(logits) (raw logits: temperature 1; processed ones: the sampled
+    distribution). logits [B, V] f32 (may hold -inf), tokens [B] -> [B] f32."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
@@ -52,18 +54,44 @@ def filter_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
     return jnp.where(scaled >= threshold, scaled, _NEG_INF)
 
 
+def processed_logits(logits, temperature, top_k, top_p) -> tuple[jax.Array, jax.Array]:
+    """The logits each row samples from: ``(hot [B] bool, processed [B, V] f32)``.
+
+    logits [B, V] f32; temperature [B] f32 (0: greedy); top_k [B] int32; top_p [B] f32. Hot rows
+    (temperature > 0) are divided by their temperature, then masked to their top-k/top-p set (-inf
+    outside). Greedy rows are returned untempered and unfiltered (vLLM's convention), so their
+    processed logprobs equal the raw ones.
+    """
+    logits = logits.astype(jnp.float32)
+    hot = temperature > 0
+    scaled = logits / jnp.where(hot, temperature, 1.0)[:, None]
+    needs = hot & ((top_k > 0) | (top_p < 1.0))
+    # the sort behind top-k/top-p costs O(V log V) a row: skip it when no row asks for a filter
+    filtered = jax.lax.cond(jnp.any(needs), lambda x: filter_logits(x, top_k, top_p), lambda x: x, scaled)
+    return hot, jnp.where(needs[:, None], filtered, scaled)
+
+
+def sample_with_logprobs(logits, key_data, index, temperature, top_k, top_p, processed):
+    """Sample one token per row and its logprob: ``(tokens [B] int32, logprobs [B] f32)``.
+
+    Arguments as :func:`sample_tokens`, plus processed [B] bool: the row's logprob is taken under the
+    processed distribution (:func:`processed_logits`: temperature, then top-k/top-p, renormalised)
+    instead of the raw one (log_softmax of ``logits``). Both are computed; the mode only selects, so
+    one compiled program serves any mix of modes.
+    """
+    hot, scaled = processed_logits(logits, temperature, top_k, top_p)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampled = jax.vmap(jax.random.categorical)(step_keys(key_data, index), scaled).astype(jnp.int32)
+    tokens = jnp.where(hot, sampled, greedy)
+    lp = jnp.where(processed, token_logprobs(scaled, tokens), token_logprobs(logits, tokens))
+    return tokens, lp
+
+
 def sample_tokens(logits, key_data, index, temperature, top_k, top_p) -> jax.Array:
     """Sample one token per row. Returns [B] int32.
 
     logits [B, V] f32; key_data [B, 2] uint32; index [B] int32 (which token of the request this is);
     temperature [B] f32 (0: greedy argmax); top_k [B] int32; top_p [B] f32.
     """
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    hot = temperature > 0
-    scaled = logits / jnp.where(hot, temperature, 1.0)[:, None]
-    needs = hot & ((top_k > 0) | (top_p < 1.0))
-    # the sort behind top-k/top-p costs O(V log V) a row: skip it when no row asks for a filter
-    filtered = jax.lax.cond(jnp.any(needs), lambda x: filter_logits(x, top_k, top_p), lambda x: x, scaled)
-    scaled = jnp.where(needs[:, None], filtered, scaled)
-    sampled = jax.vmap(jax.random.categorical)(step_keys(key_data, index), scaled).astype(jnp.int32)
-    return jnp.where(hot, sampled, greedy)
+    processed = jnp.zeros(logits.shape[:1], bool)
+    return sample_with_logprobs(logits, key_data, index, temperature, top_k, top_p, processed)[0]

@@ -26,13 +26,14 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from models import KVCache, MoeConfig
-from r3jax.engine.sampling import sample_tokens, token_logprobs
+from r3jax.engine.sampling import sample_with_logprobs
 
 
 @struct.dataclass
 class SlotParams:
     """Sampling parameters of each slot's request. prompt_len, max_new, top_k [B] int32; temperature,
-    top_p [B] f32; key_data [B, 2] uint32; stop_ids [B, NS] int32 (-1 pads)."""
+    top_p [B] f32; key_data [B, 2] uint32; stop_ids [B, NS] int32 (-1 pads); processed [B] bool
+    (``logprobs_mode="processed_logprobs"``: logprobs under the sampled distribution, else raw)."""
 
     prompt_len: jax.Array
     max_new: jax.Array
@@ -41,6 +42,7 @@ class SlotParams:
     top_p: jax.Array
     key_data: jax.Array
     stop_ids: jax.Array
+    processed: jax.Array
 
 
 @struct.dataclass
@@ -65,7 +67,7 @@ def init_state(cfg: MoeConfig, route_dtype, *, slots: int, seq_len: int, stop_wi
     i32 = lambda fill=0: jnp.full((b,), fill, jnp.int32)
     params = SlotParams(prompt_len=i32(1), max_new=i32(1), temperature=jnp.zeros((b,), jnp.float32),
                         top_k=i32(), top_p=jnp.ones((b,), jnp.float32), key_data=jnp.zeros((b, 2), jnp.uint32),
-                        stop_ids=jnp.full((b, stop_width), -1, jnp.int32))
+                        stop_ids=jnp.full((b, stop_width), -1, jnp.int32), processed=jnp.zeros((b,), bool))
     return SlotState(cache=KVCache.init(cfg, b, s),
                      routes=jnp.zeros((b, s, cfg.num_moe_layers, cfg.top_k), route_dtype),
                      tokens=jnp.zeros((b, s), jnp.int32), logprobs=jnp.zeros((b, s), jnp.float32),
@@ -109,9 +111,8 @@ def _is_stop(stop_ids, tok):
 def sample_first(logits, new: SlotParams):
     """The first token of each prefilled row from its last prompt token's logits [N, V]:
     ``(tokens [N] int32, logprobs [N] f32)``."""
-    first = sample_tokens(logits, new.key_data, jnp.zeros_like(new.prompt_len), new.temperature, new.top_k,
-                          new.top_p)
-    return first, token_logprobs(logits, first)
+    return sample_with_logprobs(logits, new.key_data, jnp.zeros_like(new.prompt_len), new.temperature, new.top_k,
+                                new.top_p, new.processed)
 
 
 def insert(state: SlotState, cache: KVCache, routes, first, first_lp, slot, new: SlotParams) -> SlotState:
@@ -171,8 +172,7 @@ def decode(graphdef, params, rest, state: SlotState, idx, *, steps: int, window:
         at = jnp.where(active, idx, b)  # finished and padding rows write nothing
         routes = routes.at[at, pos].set(out.routes[:, 0].astype(routes.dtype), mode="drop")
         logits = out.logits[:, 0]
-        tok = sample_tokens(logits, p.key_data, n_gen, p.temperature, p.top_k, p.top_p)
-        lp = token_logprobs(logits, tok)
+        tok, lp = sample_with_logprobs(logits, p.key_data, n_gen, p.temperature, p.top_k, p.top_p, p.processed)
         tokens = tokens.at[at, n_gen].set(tok, mode="drop")
         logprobs = logprobs.at[at, n_gen].set(lp, mode="drop")
         n_gen = n_gen + active.astype(jnp.int32)

@@ -76,7 +76,7 @@ class Episode:
             stop_token_ids=self.stops, return_logprobs=True,
             return_routed_experts=self.with_routes,
             routed_experts_prompt_start=self._start,
-            session_id=f"{loop.session_prefix}-{self.group}-{self.sample}")
+            session_id=f"{loop.session_prefix}-{self.group}-{self.sample}", logprobs_mode=s.logprobs_mode)
 
     def _record(self, out: Any, p: int, g: int) -> tuple[int, int]:
         """Append this call's rows to the trace; returns (rows, bytes) received."""

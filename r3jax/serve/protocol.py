@@ -66,13 +66,22 @@ def _ints(name: str, values) -> list[int]:
 
 def request_body(request) -> dict:
     """The r3jax ``/v1/generate`` body (DESIGN.md §5)."""
-    return {"prompt_ids": _ints("prompt_ids", request.prompt_ids),
-            "sampling_params": {"max_tokens": request.max_tokens, "temperature": float(request.temperature),
-                                "top_p": float(request.top_p), "top_k": request.top_k, "seed": request.seed,
-                                "stop_token_ids": _ints("stop_token_ids", request.stop_token_ids),
-                                "routed_experts_prompt_start": check_start(request)},
+    sp = {"max_tokens": request.max_tokens, "temperature": float(request.temperature),
+          "top_p": float(request.top_p), "top_k": request.top_k, "seed": request.seed,
+          "stop_token_ids": _ints("stop_token_ids", request.stop_token_ids),
+          "routed_experts_prompt_start": check_start(request)}
+    sp.update(logprobs_mode_field(request))
+    return {"prompt_ids": _ints("prompt_ids", request.prompt_ids), "sampling_params": sp,
             "return_routed_experts": bool(request.return_routed_experts),
             "return_logprobs": bool(request.return_logprobs), "session_id": request.session_id}
+
+
+def logprobs_mode_field(request) -> dict:
+    """``{"logprobs_mode": mode}`` for a request body, or ``{}`` at the default (raw_logprobs), so a
+    default request stays byte-for-byte what a server without the field accepts. The field is an
+    r3jax extension in the peers' forms: a real vLLM picks the mode server-wide (``--logprobs-mode``)."""
+    mode = checks.check_logprobs_mode(request.logprobs_mode)
+    return {} if mode == checks.DEFAULT_LOGPROBS_MODE else {"logprobs_mode": mode}
 
 
 def _field(obj: dict, key: str, kind, where: str):

@@ -65,6 +65,9 @@ class SamplingParams(_Strict):
     stop_token_ids: list[int] = Field(default_factory=list, description="ids in [0, vocab_size)")
     routed_experts_prompt_start: int = Field(
         0, description="s in [0, len(prompt_ids)]: routes come back for positions [s, P + G - 1)")
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
+        "raw_logprobs", description="vLLM's names: raw_logprobs = log_softmax of the model's logits; "
+        "processed_logprobs = after temperature and top-k/top-p (the distribution that sampled)")
 
 
 class GenerateBody(_Strict):
@@ -235,7 +238,8 @@ def to_request(body: GenerateBody, limits: Limits):
         prompt_ids=list(prompt), max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
         top_k=sp.top_k, seed=sp.seed, stop_token_ids=tuple(sp.stop_token_ids),
         return_logprobs=body.return_logprobs, return_routed_experts=body.return_routed_experts,
-        routed_experts_prompt_start=sp.routed_experts_prompt_start, session_id=body.session_id)
+        routed_experts_prompt_start=sp.routed_experts_prompt_start, session_id=body.session_id,
+        logprobs_mode=sp.logprobs_mode)
     try:  # the engine's own checks, as a backstop: same rules, so this should never fire
         request.validate(vocab_size=vocab, max_seq_len=max_len)
     except ValueError as e:

@@ -4,6 +4,8 @@ importance weights and KL to a reference policy, and group-normalised advantages
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +29,15 @@ class LossConfig:
     MoE layer's ``router_bias`` (selection only, outside the gradient) moves by
     ``rate * sign(mean load - load)`` from that step's ``expert_load`` (under replay: the replayed
     experts over captured tokens); 0 leaves the biases alone.
+
+    temperature, top_k, top_p: the distribution the trainer's logprobs are taken under, to match the
+    rollout's ``logprobs_mode``. With the engine's default ``"raw_logprobs"`` keep the defaults
+    (1.0, 0, 1.0: plain log_softmax). With ``"processed_logprobs"`` rollouts sampled at temperature T
+    (and top-k/top-p) set the same values, so the importance ratio is taken against the distribution
+    that actually sampled: the logits are divided by T (as verl and SkyRL do) and, with top_k > 0 or
+    top_p < 1, renormalised over the engine's kept set (:func:`r3jax.engine.sampling.filter_logits`
+    on the trainer's logits; the target token always counts as kept, so a near-tie at the cut cannot
+    make its logprob -inf). The filter sorts the vocabulary at every position: it costs memory.
     """
 
     clip_eps: float = 0.2
@@ -35,8 +46,13 @@ class LossConfig:
     kl_coef: float = 0.0
     aux_coef: float | None = None
     bias_update_rate: float = 0.0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
 
     def __post_init__(self):
+        real = lambda x: isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_)) and math.isfinite(x)
+        t, k, p = self.temperature, self.top_k, self.top_p
         checks = [
             ("clip_eps", 0.0 < self.clip_eps < 1.0, "in (0, 1)"),
             ("clip_eps_high", self.clip_eps_high is None or self.clip_eps_high > 0.0, "None or > 0"),
@@ -44,23 +60,49 @@ class LossConfig:
             ("kl_coef", self.kl_coef >= 0.0, ">= 0"),
             ("aux_coef", self.aux_coef is None or self.aux_coef >= 0.0, "None or >= 0"),
             ("bias_update_rate", self.bias_update_rate >= 0.0, ">= 0"),
+            ("temperature", real(t) and t > 0, "a finite number > 0 (the rollout's sampling temperature)"),
+            ("top_k", isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 0, "an int >= 0 (0: off)"),
+            ("top_p", real(p) and 0 < p <= 1, "a finite number in (0, 1] (1: off)"),
         ]
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"LossConfig.{name}={getattr(self, name)!r}: expected {expected}")
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Logprob of every token under the logits of the previous position.
+def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0, top_k: int = 0,
+                   top_p: float = 1.0) -> jax.Array:
+    """Logprob of every token under the logits of the previous position, processed as the engine's
+    sampler does (static arguments; the defaults leave the logits as they are).
 
-    logits [B, S, V], tokens [B, S] int -> [B, S] f32 where row i = log softmax(logits[i - 1])[tokens[i]]
-    and row 0 = 0 (nothing predicts the first token). Rows that cross a packed-segment boundary
-    are meaningless and must be masked by loss_mask (0 at every segment start).
+    logits [B, S, V], tokens [B, S] int -> [B, S] f32 where row i =
+    log softmax(process(logits[i - 1]))[tokens[i]] and row 0 = 0 (nothing predicts the first
+    token); process divides by ``temperature`` and, with top_k > 0 or top_p < 1, masks to -inf
+    what lies outside the top-k/top-p set (the target always kept; see :class:`LossConfig`). Rows
+    that cross a packed-segment boundary are meaningless and must be masked by loss_mask (0 at
+    every segment start).
     """
     lg = logits[:, :-1].astype(jnp.float32)
-    picked = jnp.take_along_axis(lg, tokens[:, 1:, None].astype(jnp.int32), axis=-1)[..., 0]
+    targets = tokens[:, 1:].astype(jnp.int32)
+    if temperature != 1.0:  # static: the default program is unchanged
+        lg = lg / temperature
+    if top_k > 0 or top_p < 1.0:
+        lg = _truncate(lg, targets, top_k, top_p)
+    picked = jnp.take_along_axis(lg, targets[..., None], axis=-1)[..., 0]
     lp = picked - jax.nn.logsumexp(lg, axis=-1)
     return jnp.pad(lp, ((0, 0), (1, 0)))
+
+
+def _truncate(lg, targets, top_k: int, top_p: float):
+    """``lg`` [B, T, V] with -inf outside the engine's top-k/top-p set of each position (the set
+    chosen on stop-gradient values; ``targets`` [B, T] always kept)."""
+    from r3jax.engine.sampling import filter_logits  # the engine's rule, so the two sets agree
+
+    b, t, v = lg.shape
+    flat = jax.lax.stop_gradient(lg).reshape(b * t, v)
+    kept = jnp.isfinite(filter_logits(flat, jnp.full((b * t,), top_k, jnp.int32),
+                                      jnp.full((b * t,), top_p, jnp.float32))).reshape(b, t, v)
+    kept = kept | (jnp.arange(v) == targets[..., None])
+    return jnp.where(kept, lg, -jnp.inf)
 
 
 def policy_loss(logprobs, rollout_logprobs, advantages, loss_mask, config: LossConfig,

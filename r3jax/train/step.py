@@ -57,7 +57,7 @@ def forward_metrics(params, state: TrainState, batch, replay: str, config: LossC
         rp, token_mask = None, real
     out = model(batch.tokens, batch.positions, replay=rp, segment_ids=batch.segment_ids,
                 token_mask=token_mask)
-    lp = token_logprobs(out.logits, batch.tokens)
+    lp = token_logprobs(out.logits, batch.tokens, config.temperature, config.top_k, config.top_p)  # as sampled
     loss, stats = policy_loss(lp, batch.rollout_logprobs, batch.advantages, batch.loss_mask, config,
                               ref_logprobs)
     cfg = getattr(model, "config", None)

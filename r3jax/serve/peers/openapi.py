@@ -27,6 +27,8 @@ _DOC = {
     "routed_experts_start_len": "s in [0, P]: meta_info.routed_experts covers [s, P + G - 1)",
     "return_routed_experts": "return the experts used per token and MoE layer",
     "session_id": "sticky-routing key (the X-Session-ID header also works)",
+    "logprobs_mode": "r3jax extension, vLLM's --logprobs-mode names: raw_logprobs (default, null) = log_softmax of "
+                     "the model's logits; processed_logprobs = after temperature and top-k/top-p",
 }
 
 

@@ -20,9 +20,9 @@ import numpy as np
 
 from r3jax import routes as routes_lib
 from r3jax.checks import FieldError, check_int, check_prompt_start, check_route_ids, is_int
-from r3jax.engine.request import GenerateOutput, GenerateRequest
+from r3jax.engine.request import DEFAULT_LOGPROBS_MODE, GenerateOutput, GenerateRequest, check_logprobs_mode
 from r3jax.serve.peers import common
-from r3jax.serve.protocol import ProtocolError
+from r3jax.serve.protocol import ProtocolError, logprobs_mode_field
 
 BODY_READ = ("input_ids", "sampling_params", "return_logprob", "return_routed_experts", "routed_experts_start_len",
              "rid", "return_text_in_logprobs", "log_metrics")
@@ -33,7 +33,8 @@ BODY_DEFAULTS = {
     "return_hidden_states": (None, False), "return_indexer_topk": (None, False), "custom_logit_processor": (None,),
     "data_parallel_rank": (None,),
 }
-SAMPLING_READ = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed")
+SAMPLING_READ = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed",
+                 "logprobs_mode")  # logprobs_mode: r3jax extension, vLLM's names (null: raw_logprobs)
 SAMPLING_FREE = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 SAMPLING_DEFAULTS = {
     "n": (None, 1), "min_p": (None, 0), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
@@ -99,6 +100,8 @@ def parse_generate(body: Any, *, vocab_size: int | None = None, max_seq_len: int
     temperature, top_p, top_k = sp.get("temperature"), sp.get("top_p"), sp.get("top_k")
     if top_k is not None and top_k != -1:
         check_int("sampling_params.top_k", top_k, 1)
+    mode = sp.get("logprobs_mode")
+    mode = check_logprobs_mode(DEFAULT_LOGPROBS_MODE if mode is None else mode, "sampling_params.logprobs_mode")
     return GenerateRequest(
         prompt_ids=prompt,
         max_tokens=common.max_tokens("sampling_params.max_new_tokens", mt, len(prompt), max_seq_len),
@@ -109,7 +112,7 @@ def parse_generate(body: Any, *, vocab_size: int | None = None, max_seq_len: int
         seed=common.seed("sampling_params.sampling_seed", sp.get("sampling_seed")),
         stop_token_ids=common.stop_ids("sampling_params.stop_token_ids", sp.get("stop_token_ids"), vocab_size),
         return_logprobs=flags["return_logprob"], return_routed_experts=flags["return_routed_experts"],
-        routed_experts_prompt_start=start)
+        routed_experts_prompt_start=start, logprobs_mode=mode)
 
 
 def render_generate(out: GenerateOutput, request: GenerateRequest, *, num_experts: int, rid: str,
@@ -144,7 +147,7 @@ def generate_body(request: GenerateRequest) -> dict:
     """The ``/generate`` body for ``request`` (``top_k`` -1 is SGLang's "off")."""
     sp: dict[str, Any] = {"max_new_tokens": int(request.max_tokens), "temperature": float(request.temperature),
                           "top_p": float(request.top_p), "top_k": int(request.top_k) if request.top_k > 0 else -1,
-                          "stop_token_ids": [int(t) for t in request.stop_token_ids]}
+                          "stop_token_ids": [int(t) for t in request.stop_token_ids], **logprobs_mode_field(request)}
     if request.seed is not None:
         sp["sampling_seed"] = int(request.seed)
     return {"input_ids": [int(t) for t in request.prompt_ids], "sampling_params": sp,

@@ -26,7 +26,7 @@ from r3jax import routes as routes_lib
 from r3jax.checks import FieldError, check_prompt_start, check_route_ids
 from r3jax.engine.request import GenerateOutput, GenerateRequest
 from r3jax.serve.peers import common, vllm
-from r3jax.serve.protocol import ProtocolError
+from r3jax.serve.protocol import ProtocolError, logprobs_mode_field
 
 ROUTES_PATH = "/skyrl/v1/generate"
 PLAIN_PATH = "/inference/v1/generate"
@@ -133,7 +133,7 @@ def request_for(request: GenerateRequest, *, model: str = "default") -> tuple[st
     sp: dict[str, Any] = {"max_tokens": int(request.max_tokens), "temperature": float(request.temperature),
                           "top_p": float(request.top_p), "top_k": int(request.top_k),
                           "stop_token_ids": [int(t) for t in request.stop_token_ids],
-                          "logprobs": 0 if request.return_logprobs else None}
+                          "logprobs": 0 if request.return_logprobs else None, **logprobs_mode_field(request)}
     if request.seed is not None:
         sp["seed"] = int(request.seed)
     path = PLAIN_PATH

@@ -20,9 +20,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from r3jax.checks import FieldError, check_int, check_prompt_start, check_route_ids
-from r3jax.engine.request import GenerateOutput, GenerateRequest
+from r3jax.engine.request import DEFAULT_LOGPROBS_MODE, GenerateOutput, GenerateRequest, check_logprobs_mode
 from r3jax.serve.peers import common
-from r3jax.serve.protocol import ProtocolError
+from r3jax.serve.protocol import ProtocolError, logprobs_mode_field
 
 # vLLM SamplingParams fields that only shape text or streaming (r3jax returns token ids, no EOS).
 SAMPLING_FREE = ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
@@ -39,7 +39,7 @@ SAMPLING_DEFAULTS = {
     "prompt_logprob_start": (None,),
 }
 SAMPLING_READ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "logprobs",
-                 "routed_experts_prompt_start")
+                 "routed_experts_prompt_start", "logprobs_mode")
 
 
 def read_sampling(sp: Mapping[str, Any], prefix: str, prompt: list[int], *, vocab_size: int | None,
@@ -49,7 +49,8 @@ def read_sampling(sp: Mapping[str, Any], prefix: str, prompt: list[int], *, voca
     Defaults are vLLM's (max_tokens 16, temperature 1, top_p 1, top_k 0 or -1 = off, seed -1 = none).
     ``null_max_tokens``: what ``max_tokens: null`` means (16 for completions; None: up to the context).
     ``top_logprobs``: whether ``logprobs > 0`` is allowed (it is where only the sampled token's
-    logprob is ever sent back, as SkyRL's endpoint does)."""
+    logprob is ever sent back, as SkyRL's endpoint does). ``logprobs_mode`` (r3jax extension; vLLM
+    sets it server-wide with ``--logprobs-mode``, same names): null or absent is raw_logprobs."""
     common.refuse_unknown(sp, (*SAMPLING_READ, *SAMPLING_FREE, *SAMPLING_DEFAULTS), prefix)
     common.only_defaults(sp, SAMPLING_DEFAULTS, prefix)
     for key in SAMPLING_FREE:
@@ -70,6 +71,9 @@ def read_sampling(sp: Mapping[str, Any], prefix: str, prompt: list[int], *, voca
         return_logprobs=_logprobs(prefix + "logprobs", sp.get("logprobs"), top_logprobs),
         routed_experts_prompt_start=check_prompt_start(sp.get("routed_experts_prompt_start", 0), p,
                                                        prefix + "routed_experts_prompt_start"),
+        logprobs_mode=check_logprobs_mode(
+            DEFAULT_LOGPROBS_MODE if sp.get("logprobs_mode") is None else sp["logprobs_mode"],
+            prefix + "logprobs_mode"),
     )
     return out
 
@@ -135,7 +139,7 @@ def decode_routes(text: Any, num_experts: int) -> np.ndarray:
 # Server direction: POST /v1/completions, GET /v1/models, errors.
 
 COMPLETION_READ = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
-                   "logprobs", "routed_experts_prompt_start", "return_routed_experts", "session_id",
+                   "logprobs", "routed_experts_prompt_start", "logprobs_mode", "return_routed_experts", "session_id",
                    "request_id", "return_token_ids", "return_tokens_as_token_ids", "user", "cache_salt",
                    "add_special_tokens")
 COMPLETION_DEFAULTS = {
@@ -252,7 +256,7 @@ def completion_body(request: GenerateRequest, *, model: str) -> dict:
             "logprobs": 0 if request.return_logprobs else None, "return_token_ids": True,
             "routed_experts_prompt_start": check_prompt_start(request.routed_experts_prompt_start,
                                                               len(request.prompt_ids)),
-            "return_routed_experts": bool(request.return_routed_experts)}
+            "return_routed_experts": bool(request.return_routed_experts), **logprobs_mode_field(request)}
     if request.seed is not None:
         body["seed"] = int(request.seed)
     if request.session_id is not None:
