@@ -14,11 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import models
 from r3jax import handoff, routes as wire, train
 from r3jax.batch import collate
+from r3jax.checks import FieldError
 from r3jax.engine import Engine, GenerateRequest
 from r3jax.sharding import make_mesh, shard_batch
 from r3jax.trace import RoutedExpertTrace
@@ -229,24 +231,70 @@ ENGINE_CONFIG = models.MoeConfig.tiny(  # describes OwnMoe's shapes to the engin
 def test_own_model_rolls_out_through_engine():
     cfg = ENGINE_CONFIG
     model = OwnMoe(cfg, rngs=nnx.Rngs(1))
-    engine = Engine(model, max_seq_len=32, max_batch_size=4, block_size=4, min_seq_bucket=16,
-                    prefill_chunk=16, min_prefill_chunk=16, decode_steps=4)
+    engine = Engine(model, max_seq_len=32, max_batch_size=4, block_size=4, prefix_cache_bytes=1 << 16,
+                    min_seq_bucket=16, prefill_chunk=16, min_prefill_chunk=16, decode_steps=4)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (3, 4, 5, 6)]
-    traces = [RoutedExpertTrace() for _ in prompts]
-    convs = [list(p) for p in prompts]
-    for turn in range(2):  # turn 2 re-sends the conversation; only its new rows come back
-        reqs = [GenerateRequest(prompt_ids=c, max_tokens=5, temperature=0.0, return_routed_experts=True,
-                                return_logprobs=True, routed_experts_prompt_start=t.prompt_start)
-                for c, t in zip(convs, traces)]
-        outs = engine.generate(reqs)
+    convs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (3, 4, 5, 6)]
+    traces = [RoutedExpertTrace() for _ in convs]
+    masks = [[0.0] * len(c) for c in convs]
+    lps = [[0.0] * len(c) for c in convs]
+    for turn in range(2):  # turn 2 re-sends the conversation: its KV comes from the prefix cache and
+        # only the rows after trace.prompt_start come back
+        outs = engine.generate([GenerateRequest(prompt_ids=c, max_tokens=5, temperature=0.0,
+                                                return_routed_experts=True, return_logprobs=True,
+                                                routed_experts_prompt_start=t.prompt_start)
+                                for c, t in zip(convs, traces)])
         for i, out in enumerate(outs):
             traces[i] = traces[i].record(prompt_len=len(convs[i]), generated_len=len(out.output_ids),
                                          routes=out.routed_experts)
-            convs[i] = convs[i] + out.output_ids + ([7] if turn == 0 else [])  # + an observation token
-    print(engine.stats)
-    for conv, trace in zip(convs, traces):
-        fed = np.asarray(conv[:-1], np.int32)[None]
-        live = _live_routes(model, fed)[0]
-        routes, captured = trace.finalize(token_count=len(conv), loss_mask=np.zeros(len(conv), np.float32))
-        np.testing.assert_array_equal(routes[captured], live[captured[:-1]])
+            obs = [7] if turn == 0 else []  # an observation token between the turns
+            convs[i] += out.output_ids + obs
+            masks[i] += [1.0] * len(out.output_ids) + [0.0] * len(obs)
+            lps[i] += out.logprobs + [0.0] * len(obs)
+    assert engine.stats["cached_tokens"] > 0
+    trajs = []
+    for conv, trace, mask, lp in zip(convs, traces, masks, lps):
+        routes, captured = trace.finalize(token_count=len(conv), loss_mask=np.asarray(mask, np.float32))
+        trajs.append(dict(tokens=np.asarray(conv, np.int32), loss_mask=np.asarray(mask, np.float32),
+                          rollout_logprobs=np.asarray(lp, np.float32), advantage=1.0, routes=routes,
+                          captured=captured))
+    mesh = make_mesh(data=2, fsdp=2, expert=2)
+    batch = collate(trajs, seq_len=32, num_experts=cfg.num_experts, top_k=cfg.top_k,
+                    num_layers=cfg.num_moe_layers, batch_multiple=8)
+
+    # the engine's tokens, logprobs and routes are the model's own full-sequence ones
+    out = _forward(*nnx.split(model, nnx.Param, ...), batch.tokens, batch.positions, batch.segment_ids, None)
+    rows = batch.route_mask
+    np.testing.assert_array_equal(batch.routes[rows], np.asarray(out.live_routes)[rows])
+    targets = batch.loss_mask > 0
+    greedy = np.argmax(np.asarray(out.logits), -1)[:, :-1]  # position i - 1 predicts token i
+    np.testing.assert_array_equal(batch.tokens[:, 1:][targets[:, 1:]], greedy[targets[:, 1:]])
+    lp = np.asarray(train.token_logprobs(out.logits, batch.tokens))
+    np.testing.assert_allclose(batch.rollout_logprobs[targets], lp[targets], atol=1e-4)
+
+    # and the trainer replays them on the same model: no mismatch left
+    state = train.init_train_state(model, optax.sgd(0.1), mesh=mesh)
+    m = train.eval_step(state, shard_batch(batch, mesh), replay="rollout")
+    assert float(m["num_targets"]) == 4 * 10
+    assert float(m["fallback_fraction"]) == 0.0
+    assert float(m["routing_disagreement"]) == 0.0 and float(m["live_routing_disagreement"]) == 0.0
+    assert float(m["mean_abs_delta"]) < 1e-5  # fp32 engine and trainer: rounding only
+
+
+def test_engine_refuses_what_it_cannot_follow():
+    with pytest.raises(FieldError, match="model.config: OwnMoe has a OwnConfig: expected a models.MoeConfig"):
+        Engine(OwnMoe(OwnConfig(), rngs=nnx.Rngs(0)), max_seq_len=32, max_batch_size=1)
+    with pytest.raises(FieldError, match="dtype=.*bfloat16.*only a MoeTransformer is rebuilt"):
+        Engine(OwnMoe(ENGINE_CONFIG, rngs=nnx.Rngs(0)), max_seq_len=32, max_batch_size=1, dtype=jnp.bfloat16)
+
+
+def test_trainer_refuses_a_model_without_a_route_config():
+    class Bare(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros((2, 2)))
+
+    with pytest.raises(FieldError, match="model.config: Bare has none"):
+        train.route_config(Bare())
+    bad = OwnMoe(dataclasses.replace(OwnConfig(), top_k=True), rngs=nnx.Rngs(0))
+    with pytest.raises(FieldError, match="model.config.top_k=True: expected an int >= 1"):
+        train.route_config(bad)
