@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from models import MoeTransformer
+from models import MoeConfig, MoeTransformer
 from models.routers import RouterBias
 from models.weights import split_weights
 from r3jax.checks import FieldError, check_int
@@ -84,10 +84,17 @@ class Engine:
                 check_int(name, value, lo=lo)
             except FieldError as e:
                 raise FieldError(e.field, value, e.expected, f"Engine {e.message}") from None
-        if moe_impl is None and jax.default_backend() == "cpu":
+        _check_model_config(model)
+        own = isinstance(model, MoeTransformer)  # only a MoeTransformer can be rebuilt with overrides
+        if moe_impl is None and own and jax.default_backend() == "cpu":
             moe_impl = _cpu_moe_impl(model.config)
         overrides = {k: v for k, v in (("dtype", dtype), ("moe_impl", moe_impl)) if v is not None}
         overrides = {k: v for k, v in overrides.items() if v != getattr(model.config, k)}
+        if overrides and not own:
+            name = next(iter(overrides))
+            raise FieldError(name, overrides[name], f"None or model.config.{name} for a {type(model).__name__}",
+                             f"Engine {name}={overrides[name]!r}: expected None or model.config.{name} for a "
+                             f"{type(model).__name__} (only a MoeTransformer is rebuilt with another {name})")
         cfg = model.config.replace(**overrides)  # MoeConfig validates moe_impl
         self.config = cfg
         self.max_seq_len, self.max_batch_size = max_seq_len, max_batch_size
@@ -413,6 +420,17 @@ class Engine:
     def reset_state(self) -> None:
         """Fresh slot buffers (after a device error left the donated state unusable)."""
         self._state = self._init_state()
+
+
+def _check_model_config(model) -> None:
+    """The engine sizes the KV cache, the route buffers and the logits from ``model.config``, so any
+    model must carry a :class:`models.MoeConfig` that describes it (docs/own-model.md)."""
+    if not isinstance(getattr(model, "config", None), MoeConfig):
+        got = type(getattr(model, "config", None)).__name__
+        raise FieldError("model.config", got, "a models.MoeConfig",
+                         f"Engine model.config: {type(model).__name__} has a {got}: expected a models.MoeConfig "
+                         "describing its vocab_size, KV cache (num_layers, first_dense_layers, num_kv_heads, "
+                         "head_dim, dtype) and routes (num_experts, top_k)")
 
 
 def _cpu_moe_impl(cfg) -> str:

@@ -29,6 +29,7 @@ from models import Replay, routers
 from r3jax import metrics as mm
 from r3jax.train import partition
 from r3jax.train.loss import LossConfig, policy_loss, token_logprobs
+from r3jax.train.model_protocol import route_config
 from r3jax.train.state import TrainState, state_shardings
 
 REPLAY_MODES = ("rollout", "trainer", "none")
@@ -140,7 +141,7 @@ def _compile(kind: str, state: TrainState, mesh, replay: str, config: LossConfig
     bsh, rep = partition.batch_sharding(mesh), partition.replicated(mesh)
     if kind == "record":
         jitted = jax.jit(_on_mesh(_record_impl, mesh), in_shardings=(state_sh, bsh), out_shardings=bsh)
-        return _Compiled(jitted, mesh, bsh, getattr(state.model(), "config", None))
+        return _Compiled(jitted, mesh, bsh, route_config(state.model()))
     impl = _train_impl if kind == "train" else _eval_impl
     body = _on_mesh(functools.partial(impl, replay=replay, config=config), mesh)
     with_tr = replay == "trainer"
@@ -155,7 +156,7 @@ def _compile(kind: str, state: TrainState, mesh, replay: str, config: LossConfig
         jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=(state_sh, rep), donate_argnums=0)
     else:
         jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=rep)
-    return _Compiled(jitted, mesh, bsh, getattr(state.model(), "config", None))
+    return _Compiled(jitted, mesh, bsh, route_config(state.model()))
 
 
 def _lookup(kind: str, state: TrainState, replay: str, config: LossConfig, with_ref: bool) -> _Compiled:
