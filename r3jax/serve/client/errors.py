@@ -3,7 +3,7 @@
 | answer                                   | client                                                  |
 |------------------------------------------|---------------------------------------------------------|
 | 2xx/3xx                                  | decoded and checked (``ProtocolError`` if it breaks the contract) |
-| 408, 429, 502, 503, 504                  | :class:`Retryable` (``Retry-After`` honoured within the budget) |
+| 408, 429, 502, 503, 504                  | :class:`Retryable` (``Retry-After`` honoured within the budget); the replica leaves rotation until ``GET /health`` answers 200 |
 | other 4xx (400, 401, 404, 413, 422, ...) | :class:`RemoteInputError` at once: resending the same body cannot help |
 | other 5xx (500, ...)                     | :class:`RemoteError` at once: a server bug, not a transient state |
 """
@@ -57,7 +57,8 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     return max(0.0, seconds) if math.isfinite(seconds) else None
 
 
-def _body(r: httpx.Response) -> dict:
+def json_body(r: httpx.Response) -> dict:
+    """The answer's JSON object, or ``{"detail": text}`` when it is not one."""
     try:
         body = r.json()
     except ValueError:  # not JSON (a proxy's HTML page, a truncated body)
@@ -70,7 +71,7 @@ def raise_for(r: httpx.Response, url: str) -> None:
     status = r.status_code
     if status < 400:
         return
-    body = _body(r)
+    body = json_body(r)
     error = body.get("error")
     if isinstance(error, dict):  # the peers' shape: {"error": {"message", "param", ...}} (vLLM, SkyRL, SGLang)
         body = {"detail": error.get("message") or "", "field": error.get("param")}
