@@ -42,7 +42,7 @@ from r3jax.serve.client.stats import ClientStats
 from r3jax.serve.protocol import ServedModel
 
 _NOT_RETRIED = (httpx.LocalProtocolError, httpx.UnsupportedProtocol)  # our own request is malformed
-_NOT_A_DEATH = (httpx.ReadTimeout, httpx.WriteTimeout)  # slow, not gone: keep the replica in rotation
+_NOT_A_DEATH = (httpx.ReadTimeout, httpx.WriteTimeout)  # slow, not gone: in rotation unless /health says otherwise
 
 
 class RemoteInferenceClient:
