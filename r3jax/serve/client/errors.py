@@ -3,7 +3,7 @@
 | answer                                   | client                                                  |
 |------------------------------------------|---------------------------------------------------------|
 | 2xx/3xx                                  | decoded and checked (``ProtocolError`` if it breaks the contract) |
-| 408, 429, 502, 503, 504                  | :class:`Retryable` (``Retry-After`` honoured within the budget); the replica leaves rotation until ``GET /health`` answers 200 |
+| 408, 429, 502, 503, 504                  | :class:`Retryable` (``Retry-After`` honoured within the budget) |
 | other 4xx (400, 401, 404, 413, 422, ...) | :class:`RemoteInputError` at once: resending the same body cannot help |
 | other 5xx (500, ...)                     | :class:`RemoteError` at once: a server bug, not a transient state |
 """

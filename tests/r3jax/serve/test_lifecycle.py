@@ -1,6 +1,6 @@
 """Server behaviour that needs control over timing, with a gated fake engine (no JAX programs):
-/health while warming up and after a failed warm-up, graceful shutdown with a request in flight, a full queue, and a client
-that disconnects cancelling its request."""
+/health while warming up and after a failed warm-up, graceful shutdown with a request in flight, a
+full queue, and a client that disconnects cancelling its request."""
 
 from __future__ import annotations
 
@@ -124,5 +124,5 @@ def test_health_is_503_failed_with_the_reason_when_warm_up_fails(serve_helpers):
     with serve_helpers.thread_server(create_app(NoCompile()), wait=False) as srv:
         r = poll(lambda: (r := httpx.get(srv.url + "/health")).json()["status"] != "warming_up" and r)
         assert r.status_code == 503 and "retry-after" not in r.headers
-        assert r.json() == {"status": "failed",
-                            "reason": "warm-up failed: RuntimeError: RESOURCE_EXHAUSTED: out of memory compiling decode"}
+        reason = "warm-up failed: RuntimeError: RESOURCE_EXHAUSTED: out of memory compiling decode"
+        assert r.json() == {"status": "failed", "reason": reason}
