@@ -9,7 +9,8 @@ the routed experts of every token recorded.
 """
 
 from r3jax.engine.engine import Engine
-from r3jax.engine.errors import Aborted, EngineAborted, EngineClosed
+from r3jax.engine.errors import Aborted, EngineAborted, EngineClosed, EngineFailedError
 from r3jax.engine.request import GenerateOutput, GenerateRequest
 
-__all__ = ["Aborted", "Engine", "EngineAborted", "EngineClosed", "GenerateOutput", "GenerateRequest"]
+__all__ = ["Aborted", "Engine", "EngineAborted", "EngineClosed", "EngineFailedError", "GenerateOutput",
+           "GenerateRequest"]

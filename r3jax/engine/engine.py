@@ -32,6 +32,9 @@ from r3jax.engine.sharding import Placement
 from r3jax.routes import route_dtype
 
 _LOGITS_BYTES = 256 << 20  # most prefill logits [N, T, V] f32 held at once
+# moe_impl=None on CPU: runs each chosen expert on only the tokens that chose it, the fastest
+# decode kernel measured there (experiments/bench_decode.py); every MoeConfig accepts it
+CPU_MOE_IMPL = "gather"
 
 
 class Engine:
@@ -87,7 +90,7 @@ class Engine:
         _check_model_config(model)
         own = isinstance(model, MoeTransformer)  # only a MoeTransformer can be rebuilt with overrides
         if moe_impl is None and own and jax.default_backend() == "cpu":
-            moe_impl = _cpu_moe_impl(model.config)
+            moe_impl = CPU_MOE_IMPL
         overrides = {k: v for k, v in (("dtype", dtype), ("moe_impl", moe_impl)) if v is not None}
         overrides = {k: v for k, v in overrides.items() if v != getattr(model.config, k)}
         if overrides and not own:
@@ -131,13 +134,13 @@ class Engine:
         self.programs = Programs(key)
         self._counters = dict(requests=0, prefill_calls=0, prefill_tokens=0, cached_tokens=0,
                               padded_prefill_tokens=0, generated_tokens=0, decode_calls=0, decode_slot_steps=0,
-                              max_live_slots=0, cancelled=0, aborted=0, route_gather_s=0.0, route_rows=0,
+                              max_live_slots=0, cancelled=0, aborted=0, failed=0, route_gather_s=0.0, route_rows=0,
                               warmup_s=0.0)
         self._ttft: list[float] = []
         self._rng = np.random.default_rng(seed)
         self._state = self._init_state()
         if self._prefix.enabled:
-            self._prefix.pool = self._run("pool_init", self._prefix.capacity, self._build_pool_init)
+            self._prefix.pool = self._init_pool()
         self._sched = Scheduler(self)
 
     # ---- public ------------------------------------------------------------------------------
@@ -150,13 +153,20 @@ class Engine:
         return self._sched.warmed
 
     @property
+    def failure(self) -> str | None:
+        """Why this engine serves no more requests (its scheduler could not recover from a device
+        failure), or None while it serves. Once set, ``submit`` raises :class:`EngineFailedError`."""
+        return self._sched.failure
+
+    @property
     def stats(self) -> dict:
         """Counters since construction. prefill_tokens: prompt tokens run through the model;
         cached_tokens: prompt tokens whose KV and routes came from the prefix cache; decode_calls:
         device calls of the decode program; compiled_programs: distinct device programs this engine
         has compiled (fixed after :meth:`warmup`); route_gather_s / route_rows: seconds spent reading
         route rows off the device and rows read; ttft_p50_s / ttft_p99_s: submit -> first token over
-        the last 1024 requests."""
+        the last 1024 requests; failed: requests that ended with an error other than an abort (their
+        own, or a failed device step they were in); failure: :attr:`failure`."""
         ttft = np.asarray(self._ttft[-1024:]) if self._ttft else None
         return {**self._counters, "compiled_programs": len(self.programs),
                 "live_slots": self._sched.live, "queued": self._sched.queued,
@@ -165,7 +175,8 @@ class Engine:
                 "prefix_cache_block_bytes": self._prefix.block_bytes,
                 "prefix_cache_evictions": self._prefix.evictions,
                 "ttft_p50_s": None if ttft is None else float(np.percentile(ttft, 50)),
-                "ttft_p99_s": None if ttft is None else float(np.percentile(ttft, 99))}
+                "ttft_p99_s": None if ttft is None else float(np.percentile(ttft, 99)),
+                "failure": self.failure}
 
     def recent_ttft(self, n: int = 1024) -> list[float]:
         """Seconds from submit to first token (sampled at admission) of the last ``n`` admitted requests."""
@@ -175,7 +186,10 @@ class Engine:
         """Queue one request; returns a ``concurrent.futures.Future[GenerateOutput]``. Raises
         :class:`r3jax.checks.FieldError` for bad input before anything is queued. ``future.cancel()``
         drops the request (a running one frees its slot at the next decode call). The future fails
-        with :class:`r3jax.engine.EngineAborted` when a weight update aborts it (retry it)."""
+        with :class:`r3jax.engine.EngineAborted` when a weight update aborts it (retry it), with the
+        error of a device step that failed while it ran (the engine recovers and serves the next
+        ones), and with :class:`r3jax.engine.EngineFailedError` when the engine cannot continue;
+        a failed engine raises that here at once."""
         prompt = self._validate(request)
         seed = int(self._rng.integers(1 << 63)) if request.seed is None else int(request.seed)
         return self._sched.submit(Job(request, prompt, seed))
@@ -278,6 +292,9 @@ class Engine:
                                block_size=self.block_size)
         return fn, {"out_shardings": self.placement.pool(jax.eval_shape(fn))}
 
+    def _init_pool(self):
+        return self._run("pool_init", self._prefix.capacity, self._build_pool_init)
+
     # ---- device steps (scheduler thread only) -------------------------------------------------------
     def _scratch_shardings(self, rows, sp):
         p = self.placement
@@ -355,20 +372,25 @@ class Engine:
         c["cached_tokens"] += sum(cached)
         c["padded_prefill_tokens"] += chunks * rows * t
 
+    def prepare(self, job: Job) -> dict[str, np.ndarray]:
+        """The host-side slot parameters of one request (one row of :class:`SlotParams`, built at
+        admission). Whatever raises here fails this request alone (e.g. a value its dtype cannot hold:
+        numpy raises OverflowError), never the others admitted with it."""
+        req = job.request
+        stop_ids = np.full((self.max_stop_tokens,), -1, np.int32)
+        stop_ids[:len(req.stop_token_ids)] = np.asarray(req.stop_token_ids, np.int64)
+        return dict(prompt_len=np.int32(len(job.prompt)), max_new=np.int32(req.max_tokens),
+                    temperature=np.float32(req.temperature), top_k=np.int32(req.top_k),
+                    top_p=np.float32(req.top_p), key_data=seed_words(job.seed), stop_ids=stop_ids,
+                    processed=np.bool_(req.logprobs_mode == "processed_logprobs"))
+
     def _slot_params(self, jobs: list[Job], rows: int) -> dev.SlotParams:
-        n = len(jobs)
-        pad = lambda vals, fill, dtype: np.array(list(vals) + [fill] * (rows - n), dtype)
-        stop_ids = np.full((rows, self.max_stop_tokens), -1, np.int32)
-        key_data = np.zeros((rows, 2), np.uint32)
-        for r, job in enumerate(jobs):
-            stop_ids[r, :len(job.request.stop_token_ids)] = np.asarray(job.request.stop_token_ids, np.int64)
-            key_data[r] = seed_words(job.seed)
-        field = lambda name, fill, dtype: pad((getattr(j.request, name) for j in jobs), fill, dtype)
-        return dev.SlotParams(
-            prompt_len=pad((len(j.prompt) for j in jobs), 1, np.int32), max_new=field("max_tokens", 1, np.int32),
-            temperature=field("temperature", 0.0, np.float32), top_k=field("top_k", 0, np.int32),
-            top_p=field("top_p", 1.0, np.float32), key_data=key_data, stop_ids=stop_ids,
-            processed=pad((j.request.logprobs_mode == "processed_logprobs" for j in jobs), False, bool))
+        """The rows of ``jobs`` (:meth:`prepare`), padded to ``rows`` with an idle row."""
+        idle = dict(prompt_len=np.int32(1), max_new=np.int32(1), temperature=np.float32(0.0), top_k=np.int32(0),
+                    top_p=np.float32(1.0), key_data=np.zeros((2,), np.uint32),
+                    stop_ids=np.full((self.max_stop_tokens,), -1, np.int32), processed=np.bool_(False))
+        table = [j.row for j in jobs] + [idle] * (rows - len(jobs))
+        return dev.SlotParams(**{name: np.stack([row[name] for row in table]) for name in idle})
 
     def decode(self, live: dict[int, Job], n_gen: np.ndarray):
         """One decode call over the live slots; returns ``(n_gen [B], done [B])`` on the host."""
@@ -418,8 +440,12 @@ class Engine:
             cached_tokens=job.cached, weight_version=job.version, routed_experts_start=s)
 
     def reset_state(self) -> None:
-        """Fresh slot buffers (after a device error left the donated state unusable)."""
+        """Fresh slot buffers and an empty prefix cache (after a device error left a donated buffer
+        unusable: the pool is donated to every store)."""
         self._state = self._init_state()
+        if self._prefix.enabled:
+            self._prefix.clear(self.weight_version)
+            self._prefix.pool = self._init_pool()
 
 
 def _check_model_config(model) -> None:
@@ -431,14 +457,6 @@ def _check_model_config(model) -> None:
                          f"Engine model.config: {type(model).__name__} has a {got}: expected a models.MoeConfig "
                          "describing its vocab_size, KV cache (num_layers, first_dense_layers, num_kv_heads, "
                          "head_dim, dtype) and routes (num_experts, top_k)")
-
-
-def _cpu_moe_impl(cfg) -> str:
-    """The fastest decode kernel on CPU that this MoeConfig accepts: "gather" (runs each chosen expert
-    on only the tokens that chose it), else "loop", else "dense" (experiments/bench_decode.py)."""
-    from models.config import MOE_IMPLS
-
-    return next(impl for impl in ("gather", "loop", "dense") if impl in MOE_IMPLS)
 
 
 def decode_program(graphdef, placement: Placement, state, *, n: int, window: int, steps: int):

@@ -16,3 +16,15 @@ Aborted = EngineAborted
 
 class EngineClosed(EngineAborted):
     """The engine was closed before the request finished (or before it was submitted)."""
+
+
+class EngineFailedError(EngineClosed):
+    """The engine cannot continue (its scheduler could not recover from a device failure, e.g. fresh
+    slot buffers could not be allocated): every request not finished fails with it, and so does
+    every later ``submit``, at once. ``reason`` says why. The request itself may be sent to another
+    engine (servers answer 503, ``/health`` answers 503 ``{"status": "failed", "reason": ...}``);
+    this one has to be rebuilt."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"engine failed: {reason}")
+        self.reason = reason

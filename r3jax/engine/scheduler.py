@@ -11,6 +11,13 @@ Each turn of the loop:
    static and some slot is busy), a prefill of up to ``prefill_rows`` requests at a time;
 4. runs one decode call (``decode_steps`` tokens for every live slot) and harvests every slot that
    finished: its future gets the output and the slot is free for the next admission.
+
+Failures: a request whose own host-side preparation raises (its sampling parameters do not fit
+their device dtypes, say) fails alone at admission; a turn that fails on device fails the requests
+in flight with its error, the slot buffers are rebuilt and serving goes on. If the loop itself
+cannot go on (rebuilding the buffers raises too), the engine is *failed*: every request not
+finished, every waiting control operation and every later ``submit`` fail at once with
+:class:`EngineFailedError` naming the reason (nothing ever waits on a thread that is gone).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from r3jax.engine.errors import EngineAborted, EngineClosed
+from r3jax.engine.errors import EngineAborted, EngineClosed, EngineFailedError
 from r3jax.engine.request import GenerateRequest
 
 log = logging.getLogger("r3jax.engine")
@@ -40,6 +47,7 @@ class Job:
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     version: int = -1
     cached: int = 0
+    row: Any = None  # the request's host-side slot parameters (Engine.prepare), built at admission
 
 
 @dataclasses.dataclass(eq=False)
@@ -60,6 +68,7 @@ class Scheduler:
         self.controls: collections.deque[_Control] = collections.deque()
         self.cond = threading.Condition()
         self.closed = False
+        self.failure: str | None = None  # why the loop stopped for good (closed is then True too)
         self.warmed = False
         self.thread = threading.Thread(target=self._loop, name="r3jax-engine", daemon=True)
         self.thread.start()
@@ -75,8 +84,7 @@ class Scheduler:
     # ---- any thread --------------------------------------------------------------------------------
     def submit(self, job: Job) -> concurrent.futures.Future:
         with self.cond:
-            if self.closed:
-                raise EngineClosed("engine closed; request not started")
+            self._check_open("request not started")
             self.waiting.append(job)
             self.cond.notify()
         return job.future
@@ -88,11 +96,17 @@ class Scheduler:
         if threading.current_thread() is self.thread:
             return fn()
         with self.cond:
-            if self.closed:
-                raise EngineClosed("engine closed")
+            self._check_open("operation not run")
             self.controls.append(op)
             self.cond.notify()
         return op.future.result()
+
+    def _check_open(self, what: str) -> None:
+        """Raise (holding ``cond``) if no more work can be taken: failed, or closed."""
+        if self.failure is not None:
+            raise EngineFailedError(self.failure)
+        if self.closed:
+            raise EngineClosed(f"engine closed; {what}")
 
     def close(self) -> None:
         with self.cond:
@@ -103,24 +117,36 @@ class Scheduler:
 
     # ---- scheduler thread ----------------------------------------------------------------------------
     def _loop(self) -> None:
-        while True:
-            with self.cond:
-                while not (self.closed or self.waiting or self.controls or self.live):
-                    self.cond.wait()
-                if self.closed:
-                    break
-            try:
-                self._turn()
-            except Exception as e:  # a device/program failure: fail the requests it hit, keep serving
-                log.exception("engine step failed")
-                self._fail_live(e)
-                self.engine.reset_state()
+        try:
+            while True:
+                with self.cond:
+                    while not (self.closed or self.waiting or self.controls or self.live):
+                        self.cond.wait()
+                    if self.closed:
+                        break
+                try:
+                    self._turn()
+                except Exception as e:  # a device/program failure: fail the requests it hit, keep serving
+                    log.exception("engine step failed")
+                    self._fail_live(e)
+                    try:
+                        self.engine.reset_state()
+                    except Exception as again:
+                        raise _CannotContinue(f"rebuilding the device state after a failed step ({_say(e)}) "
+                                              f"raised {_say(again)}") from again
+        except BaseException as e:  # the loop cannot go on: tell every caller now and every later one
+            log.exception("engine failed; it serves no more requests")
+            self._fail_engine(str(e) if isinstance(e, _CannotContinue) else f"the scheduler loop raised {_say(e)}")
+            if not isinstance(e, Exception):
+                raise
+            return
         self._shutdown()
 
     def _turn(self) -> None:
         op = self.controls[0] if self.controls else None
         if op is not None and op.abort:
-            self._fail_live(EngineAborted("aborted by a weight update (abort_in_flight=True); retry the request"))
+            self._fail_live(EngineAborted("aborted by a weight update (abort_in_flight=True); retry the request"),
+                            count="aborted")
         if op is not None and (not op.drain or not self.live):
             with self.cond:
                 self.controls.popleft()
@@ -159,6 +185,9 @@ class Scheduler:
                         take.append(job)
             if not take:
                 return
+            take = [job for job in take if self._prepare(job)]
+            if not take:
+                continue
             slot_ids = free[:len(take)]
             for job, s in zip(take, slot_ids):
                 job.version = eng.weight_version
@@ -170,10 +199,22 @@ class Scheduler:
                 for job, s in zip(take, slot_ids):
                     self.slots[s] = None
                     _settle(job.future, error=e)
+                eng._counters["failed"] += len(take)
                 raise
             now = time.perf_counter()
             eng._ttft.extend(now - j.submitted for j in take)
             del eng._ttft[:-4096]
+
+    def _prepare(self, job: Job) -> bool:
+        """Build ``job``'s host-side slot parameters; on an error that request alone fails (False)."""
+        try:
+            job.row = self.engine.prepare(job)
+        except Exception as e:  # the request's own data: its caller gets the error, the others run on
+            log.warning("request failed before prefill: %s", _say(e))
+            self.engine._counters["failed"] += 1
+            _settle(job.future, error=e)
+            return False
+        return True
 
     def _decode(self) -> None:
         eng = self.engine
@@ -190,24 +231,46 @@ class Scheduler:
     def _free(self, s: int) -> None:
         self.slots[s] = None
 
-    def _fail_live(self, err: BaseException) -> None:
+    def _fail_live(self, err: BaseException, count: str | None = "failed") -> None:
         for s, job in enumerate(self.slots):
             if job is not None:
                 self._free(s)
-                if isinstance(err, EngineAborted):
-                    self.engine._counters["aborted"] += 1
+                if count is not None:
+                    self.engine._counters[count] += 1
                 _settle(job.future, error=err)
+
+    def _fail_engine(self, reason: str) -> None:
+        """Failed for good: refuse new work, then fail everything that waits (no thread is left to run it)."""
+        with self.cond:
+            self.failure, self.closed = reason, True
+        err = EngineFailedError(reason)
+        try:
+            self._fail_live(err)
+        finally:  # whatever happens to the slots, nothing queued may be left waiting
+            self._fail_pending(err, err)
 
     def _shutdown(self) -> None:
         err = EngineClosed("engine closed before the request finished; retry it")
-        self._fail_live(err)
+        self._fail_live(err, count=None)
+        self._fail_pending(err, EngineClosed("engine closed"))
+
+    def _fail_pending(self, err: EngineClosed, op_err: EngineClosed) -> None:
+        """Fail every waiting request with ``err`` and every waiting control operation with ``op_err``."""
         with self.cond:
             pending, self.waiting = list(self.waiting), collections.deque()
             controls, self.controls = list(self.controls), collections.deque()
         for job in pending:
             _settle(job.future, error=err)
         for op in controls:
-            op.future.set_exception(EngineClosed("engine closed"))
+            _settle(op.future, error=op_err)
+
+
+class _CannotContinue(RuntimeError):
+    """The scheduler could not recover from a failed step (its message is the engine's failure reason)."""
+
+
+def _say(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
 def _settle(future: concurrent.futures.Future, *, result=None, error: BaseException | None = None) -> None:

@@ -3,7 +3,8 @@
 Endpoints::
 
     GET  /health        {"status": "ok", "weight_version": n}     (no auth; 503 {"status": "warming_up"}
-                        until every device program is compiled, 503 while shutting down)
+                        until every device program is compiled, 503 {"status": "failed", "reason": ...}
+                        once the engine cannot continue (or its warm-up failed), 503 while shutting down)
     GET  /v1/model      ModelInfo: E, K, L, moe_layer_ids, vocab_size, max_seq_len, weight_version
     POST /v1/generate   GenerateBody -> GenerateResponse
     POST /v1/weights    {"path": dir, "format": "orbax" | "safetensors"} -> {"weight_version": n};
@@ -165,7 +166,9 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
     Requests go straight to the engine's continuous-batching scheduler (``engine.submit``).
     max_queue: requests waiting for a slot beyond this many get 503 (the client retries with backoff).
     warmup: on start, compile every engine program in the background (``engine.warmup()``); until it
-    is done ``/health`` answers 503 ``{"status": "warming_up"}`` (generate requests queue meanwhile).
+    is done ``/health`` answers 503 ``{"status": "warming_up"}`` (generate requests queue meanwhile);
+    if it fails, or the engine cannot continue (``engine.failure``), 503 ``{"status": "failed",
+    "reason": ...}``.
     load_weights: ``(path, format, engine) -> params state`` for ``POST /v1/weights`` (default
     :func:`r3jax.serve.weights.load_state`); it runs in a worker thread while generation continues.
     max_batch_size / max_wait_s: accepted for compatibility and ignored (the engine's slots batch).
@@ -191,6 +194,9 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
                 print(f"r3jax serve: warm-up compiled {result['programs']} programs in {result['seconds']:.1f} s",
                       flush=True)
                 log.info("warm-up: %d device programs in %.1f s", result["programs"], result["seconds"])
+        except Exception as e:  # reported: /health answers 503 failed with it, and the log has the traceback
+            warm["error"] = f"warm-up failed: {type(e).__name__}: {e}"
+            log.exception("warm-up failed")
         finally:
             ready.set()
 
@@ -217,6 +223,10 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
     async def health():
         if bridge.closing:
             return _json({"status": "shutting_down"}, 503, {"Retry-After": "1"})
+        # an engine that cannot continue, or could not compile its programs: no Retry-After, it stays so
+        failure = getattr(engine, "failure", None) or warm.get("error")
+        if failure is not None:
+            return _json({"status": "failed", "reason": failure}, 503)
         if not ready.is_set():
             return _json({"status": "warming_up"}, 503, {"Retry-After": "1"})
         return {"status": "ok", "weight_version": int(engine.weight_version)}

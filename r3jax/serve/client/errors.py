@@ -57,7 +57,8 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     return max(0.0, seconds) if math.isfinite(seconds) else None
 
 
-def _body(r: httpx.Response) -> dict:
+def json_body(r: httpx.Response) -> dict:
+    """The answer's JSON object, or ``{"detail": text}`` when it is not one."""
     try:
         body = r.json()
     except ValueError:  # not JSON (a proxy's HTML page, a truncated body)
@@ -70,7 +71,7 @@ def raise_for(r: httpx.Response, url: str) -> None:
     status = r.status_code
     if status < 400:
         return
-    body = _body(r)
+    body = json_body(r)
     error = body.get("error")
     if isinstance(error, dict):  # the peers' shape: {"error": {"message", "param", ...}} (vLLM, SkyRL, SGLang)
         body = {"detail": error.get("message") or "", "field": error.get("param")}

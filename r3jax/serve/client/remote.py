@@ -5,12 +5,17 @@
   back in request order, checked by :mod:`r3jax.serve.protocol` (routes: exactly ``P - s + G - 1``
   rows). ``routed_experts_prompt_start`` is checked before anything is sent.
 - Retries (:mod:`.retry`): each request is resent whole while a new attempt can start within
-  ``retry_timeout_s`` (default 120 s: a restart with warm-up) on connection errors, timeouts, 408,
-  429, 502, 503, 504 and "no live replica", with capped exponential backoff and full jitter, and the
-  server's ``Retry-After`` honoured. Other 4xx raise :class:`RemoteInputError` (a ValueError, like
-  the engine's) at once; other 5xx raise :class:`RemoteError` at once.
+  ``retry_timeout_s`` (default 120 s: a restart that finds its compilation cache) on connection
+  errors, timeouts, 408, 429, 502, 503, 504 and "no live replica", with capped exponential backoff
+  and full jitter, and the server's ``Retry-After`` honoured. While a replica reports
+  ``warming_up`` on ``GET /health`` the budget is ``warmup_timeout_s`` instead (default 300 s: a
+  cold start compiling every program). Other 4xx raise :class:`RemoteInputError` (a ValueError,
+  like the engine's) at once; other 5xx raise :class:`RemoteError` at once.
 - Several URLs (:mod:`.replicas`): sessions stick to a replica by rendezvous hashing, other requests
-  go to the least loaded; a replica that fails is skipped until ``GET /health`` answers 200 again.
+  go to the least loaded; a replica that fails, is warming up or reports a failed engine (503
+  ``{"status": "failed", "reason": ...}``) is skipped until ``GET /health`` answers 200 again. A
+  request that timed out asks its replica's ``/health`` (a slow replica stays in rotation, a
+  warming or failed one leaves it).
 - ``protocol`` (:mod:`.protocols`): ``"r3jax"`` (``binary_routes`` asks for raw route bytes),
   ``"skyrl"``, ``"vllm"`` or ``"sglang"`` (the peers' request forms: the same requests and outputs,
   the same row rule). The peers' servers do not report E, K and the MoE layers: pass ``model_info``
@@ -29,15 +34,15 @@ from typing import Sequence
 import httpx
 
 from r3jax.serve.client import protocols
-from r3jax.serve.client.errors import RemoteError, RemoteInputError, Retryable, raise_for
+from r3jax.serve.client.errors import RemoteError, RemoteInputError, Retryable, json_body, raise_for
 from r3jax.serve.client.pool import Pools, Runner
-from r3jax.serve.client.replicas import Replica, Replicas
+from r3jax.serve.client.replicas import OK, Health, Replica, Replicas
 from r3jax.serve.client.retry import RetryPolicy, call_with_retries
 from r3jax.serve.client.stats import ClientStats
 from r3jax.serve.protocol import ServedModel
 
 _NOT_RETRIED = (httpx.LocalProtocolError, httpx.UnsupportedProtocol)  # our own request is malformed
-_NOT_A_DEATH = (httpx.ReadTimeout, httpx.WriteTimeout)  # slow, not gone: keep the replica in rotation
+_NOT_A_DEATH = (httpx.ReadTimeout, httpx.WriteTimeout)  # slow, not gone: in rotation unless /health says otherwise
 
 
 class RemoteInferenceClient:
@@ -45,15 +50,20 @@ class RemoteInferenceClient:
     :meth:`close` / :meth:`aclose`.
 
     ``timeout``: seconds per HTTP operation (connect, each read). ``retry_timeout_s``: the retry
-    budget in seconds from a request's first attempt; ``max_retries``: an optional count limit on
-    top (None: time only). ``backoff_s`` / ``max_backoff_s``: the first and the largest backoff cap.
+    budget in seconds from a request's first attempt; ``warmup_timeout_s``: that budget while a
+    replica reports ``warming_up`` (it will serve once its programs are compiled; the larger of the
+    two applies); ``max_retries``: an optional count limit on top (None: time only). ``backoff_s`` /
+    ``max_backoff_s``: the first and the largest backoff cap. ``health_interval_s``: how often a
+    replica out of rotation is asked ``GET /health``. ``transport``: an ``httpx.AsyncBaseTransport``
+    for every connection (e.g. ``httpx.ASGITransport`` for an in-process app); None: TCP.
     """
 
     def __init__(self, urls: str | Sequence[str], *, api_key: str | None = None, timeout: float = 60.0,
                  retry_timeout_s: float = 120.0, max_retries: int | None = None, max_concurrency: int = 64,
                  backoff_s: float = 0.05, max_backoff_s: float = 2.0, binary_routes: bool = True,
                  protocol: str = "r3jax", model_info: dict | ServedModel | None = None,
-                 model: str | None = None, health_interval_s: float = 0.5):
+                 model: str | None = None, health_interval_s: float = 0.5, warmup_timeout_s: float = 300.0,
+                 transport: httpx.AsyncBaseTransport | None = None):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
             raise ValueError(f"urls={urls!r}: expected one or more http(s):// URLs")
@@ -62,16 +72,20 @@ class RemoteInferenceClient:
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency!r}: expected an int >= 1")
         self.retry = RetryPolicy(timeout_s=retry_timeout_s, backoff_s=backoff_s, max_backoff_s=max_backoff_s,
-                                 max_retries=max_retries)
+                                 max_retries=max_retries, warmup_timeout_s=warmup_timeout_s)
         self.timeout, self.max_concurrency, self.binary_routes = timeout, max_concurrency, binary_routes
-        self.replicas = Replicas(urls, self._healthy, health_interval_s=health_interval_s)
+        # the retry loop's clock and sleep (tests replace both to run minutes of retries in no time)
+        self._clock, self._sleep = time.monotonic, asyncio.sleep
+        self.replicas = Replicas(urls, self._healthy, health_interval_s=health_interval_s,
+                                 clock=lambda: self._clock())
         if isinstance(model_info, dict):
             model_info = ServedModel.from_json(model_info)
         self._given_info = model_info
         for r in self.replicas:
             r.info = model_info
         headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
-        self._pools = Pools(max_concurrency, timeout=timeout, headers=headers)
+        kw = {} if transport is None else {"transport": transport}
+        self._pools = Pools(max_concurrency, timeout=timeout, headers=headers, **kw)
         self._runner = Runner()
         self._stats = ClientStats()
 
@@ -87,16 +101,23 @@ class RemoteInferenceClient:
         return self._stats["retries"]
 
     # ---- one attempt -----------------------------------------------------------------------
-    async def _healthy(self, url: str) -> bool:
+    async def _healthy(self, url: str) -> Health:
+        """What ``GET /health`` of ``url`` says: 200 is "ok"; otherwise the body's ``status`` and
+        ``reason`` (an r3jax server: ``warming_up``, ``failed``, ``shutting_down``), else the HTTP status."""
         try:
             async with self._pools.current().client() as client:
                 r = await client.get(url + "/health", timeout=min(self.timeout, 2.0))
-        except httpx.HTTPError:
-            return False
-        return r.status_code == 200
+        except httpx.HTTPError as e:
+            return Health("down", f"{type(e).__name__}: {e}")
+        if r.status_code == 200:
+            return OK
+        body = json_body(r)
+        status, reason = body.get("status"), body.get("reason") or body.get("detail")
+        return Health(status if isinstance(status, str) and status != "ok" else f"HTTP {r.status_code}",
+                      None if reason is None else str(reason))
 
-    @contextlib.contextmanager
-    def _on(self, replica: Replica):
+    @contextlib.asynccontextmanager
+    async def _on(self, replica: Replica):
         """Count an attempt on ``replica``; turn its transport failures into :class:`Retryable` and
         take it out of rotation when it looks gone."""
         replica.in_flight += 1
@@ -106,10 +127,13 @@ class RemoteInferenceClient:
             raise
         except httpx.TransportError as e:
             if not isinstance(e, _NOT_A_DEATH):
-                self.replicas.mark_dead(replica)  # refused, reset: skip it until /health answers
+                self.replicas.mark_dead(replica, health=Health("down", f"{type(e).__name__}: {e}"))
+            else:  # slow, or queued behind a warm-up: /health tells (a warming or failed one leaves rotation)
+                await self.replicas.probe(replica)
             raise Retryable(f"{replica.url}: {type(e).__name__}: {e}") from e
         except Retryable as e:
-            self.replicas.mark_dead(replica, e.retry_after)  # 408/429/502/503/504: warming up, draining, full
+            # 408/429/502/503/504: warming up, draining, full, or a failed engine; /health tells which
+            self.replicas.mark_dead(replica, e.retry_after, Health("unavailable", str(e)))
             if e.retry_after is not None and self.replicas.any_alive():
                 # its Retry-After is about that replica: another live one can take the retry now
                 raise Retryable(str(e)) from e
@@ -139,7 +163,7 @@ class RemoteInferenceClient:
         replica = await self.replicas.pick(request.session_id)
         replica.sent += 1
         self._stats.add(attempts=1)
-        with self._on(replica):
+        async with self._on(replica):
             info = await self._info(replica)
             async with self._pools.current().client() as client:
                 r = await client.post(replica.url + self._proto.path(request), content=body,
@@ -161,7 +185,8 @@ class RemoteInferenceClient:
             t0 = time.perf_counter()
             try:
                 out = await call_with_retries(lambda: self._attempt(request, body), self.retry,
-                                              on_retry=self._count_retry)
+                                              clock=self._clock, sleep=self._sleep, on_retry=self._count_retry,
+                                              warming=self.replicas.warming)
             except BaseException:
                 self._stats.add(failed=1)
                 raise
@@ -203,15 +228,17 @@ class RemoteInferenceClient:
 
         async def attempt():
             replica = await self.replicas.pick(None)
-            with self._on(replica):
+            async with self._on(replica):
                 return await self._get(replica, "/v1/model")
-        return await call_with_retries(attempt, self.retry, what="GET /v1/model")
+        return await call_with_retries(attempt, self.retry, clock=self._clock, sleep=self._sleep,
+                                       warming=self.replicas.warming, what="GET /v1/model")
 
     def model_info(self) -> dict:
         return self._runner.run(self.amodel_info())
 
     async def ahealth(self) -> dict[str, bool]:
-        """``{url: answers GET /health with 200}`` for every replica (also refreshes liveness)."""
+        """``{url: answers GET /health with 200}`` for every replica (also refreshes liveness; what
+        each said is ``client.replicas.all[i].health``: status and reason)."""
         return dict(zip([r.url for r in self.replicas],
                         await asyncio.gather(*(self.replicas.probe(r) for r in self.replicas))))
 

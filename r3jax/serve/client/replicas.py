@@ -4,16 +4,19 @@
   (rendezvous hashing): every turn of a conversation lands where its prefix cache is, and only the
   sessions of a replica that dies move.
 - Without a session: the live replica with the fewest requests in flight (ties rotate).
-- A replica that failed a connection (or answered 503) is dead until ``GET /health`` answers 200
-  again; dead replicas are re-probed in the background every ``health_interval_s`` (not before
-  their ``Retry-After``). When none is
-  live the pick waits for the current probes, then raises :class:`Retryable` (the retry budget
-  decides how long to keep trying).
+- A replica that failed a connection (or answered 503) is out of rotation until ``GET /health``
+  answers 200 again; such replicas are re-probed in the background every ``health_interval_s`` (not
+  before their ``Retry-After``). Each keeps the last thing it said (:class:`Health`): ``"down"`` (no
+  answer), ``"warming_up"`` (compiling; it will serve soon: the retry budget stretches to the
+  cold-start budget while one is), ``"failed"`` (its engine cannot continue, with the server's
+  reason) or another status. When none is live the pick waits for the current probes, then raises
+  :class:`Retryable` naming each replica's state (the retry budget decides how long to keep trying).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import time
 from typing import Awaitable, Callable, Sequence
@@ -22,12 +25,35 @@ from r3jax.serve.client.errors import Retryable
 from r3jax.serve.protocol import ServedModel
 
 
+@dataclasses.dataclass(frozen=True)
+class Health:
+    """What a replica last said. ``status``: ``"ok"`` (``GET /health`` answered 200), ``"down"`` (no
+    answer), the server's own status (``"warming_up"``, ``"failed"``, ``"shutting_down"``, ...) or
+    ``"unavailable"`` (it refused a request: 503 and the like). ``reason``: the server's reason or the
+    error, if any."""
+
+    status: str
+    reason: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def __str__(self) -> str:
+        return self.status + (f" ({self.reason})" if self.reason else "")
+
+
+OK = Health("ok")
+
+
 class Replica:
-    """One server: its URL, liveness, load and (once fetched) what it serves."""
+    """One server: its URL, liveness (and the last :class:`Health` it reported), load and (once
+    fetched) what it serves."""
 
     def __init__(self, url: str):
         self.url = url.rstrip("/")
         self.alive, self.in_flight, self.next_probe = True, 0, 0.0
+        self.health = OK  # assumed until it says otherwise
         self.info: ServedModel | None = None
         self.probe: asyncio.Future | None = None
         self.probes = 0  # probes started; only the latest one's answer counts
@@ -41,9 +67,9 @@ def rendezvous(session_id: str, replicas: Sequence[Replica]) -> Replica:
 
 
 class Replicas:
-    """The replica set. ``check(url) -> bool`` answers whether ``url`` is healthy (``GET /health``)."""
+    """The replica set. ``check(url) -> Health`` asks ``url``'s ``GET /health``."""
 
-    def __init__(self, urls: Sequence[str], check: Callable[[str], Awaitable[bool]], *,
+    def __init__(self, urls: Sequence[str], check: Callable[[str], Awaitable[Health]], *,
                  health_interval_s: float = 0.5, clock: Callable[[], float] = time.monotonic):
         self.all = [Replica(u) for u in urls]
         self.check, self.health_interval_s, self.clock = check, health_interval_s, clock
@@ -55,25 +81,32 @@ class Replicas:
     def __len__(self) -> int:
         return len(self.all)
 
-    def mark_dead(self, replica: Replica, for_s: float | None = None) -> None:
+    def mark_dead(self, replica: Replica, for_s: float | None = None, health: Health = Health("down")) -> None:
         """Out of rotation; re-probed after ``health_interval_s`` (or ``for_s``, its Retry-After, if longer)."""
-        replica.alive = False
+        replica.alive, replica.health = False, health
         replica.next_probe = self.clock() + max(self.health_interval_s, for_s or 0.0)
 
     def any_alive(self) -> bool:
         return any(r.alive for r in self.all)
+
+    def warming(self) -> bool:
+        """Whether a replica out of rotation last said it is warming up (it will serve once compiled)."""
+        return any(not r.alive and r.health.status == "warming_up" for r in self.all)
+
+    def describe(self) -> str:
+        return ", ".join(f"{r.url}: {'ok' if r.alive else r.health}" for r in self.all)
 
     async def probe(self, replica: Replica) -> bool:
         """Ask ``/health``; the answer sets liveness unless a newer probe started meanwhile (a
         probe that hung until its timeout must not undo a later one that saw the replica back)."""
         replica.probes += 1
         mine = replica.probes
-        healthy = await self.check(replica.url)
+        health = await self.check(replica.url)
         if mine == replica.probes:
-            replica.alive = healthy
-            if not healthy:
+            replica.alive, replica.health = health.ok, health
+            if not health.ok:
                 replica.next_probe = self.clock() + self.health_interval_s
-        return healthy
+        return health.ok
 
     def _start_probes(self, loop: asyncio.AbstractEventLoop) -> None:
         now = self.clock()
@@ -91,7 +124,7 @@ class Replicas:
             await asyncio.gather(*probes, return_exceptions=True)
             alive = [r for r in self.all if r.alive]
             if not alive:
-                raise Retryable(f"no live replica among {[r.url for r in self.all]}")
+                raise Retryable(f"no live replica ({self.describe()})")
         if session_id is not None:
             return rendezvous(session_id, alive)
         self._rr += 1

@@ -27,8 +27,6 @@ def test_gather_kernel_equals_dense(n, e, k):
 
 
 def test_engine_picks_the_gather_kernel_on_cpu(tiny_model, make_engine):
-    from r3jax.engine.engine import _cpu_moe_impl
-
-    assert jax.default_backend() == "cpu" and _cpu_moe_impl(tiny_model.config) == "gather"
+    assert jax.default_backend() == "cpu"
     assert make_engine(tiny_model, moe_impl=None).config.moe_impl == "gather"
     assert tiny_model.config.moe_impl == "ragged"  # the model itself is untouched

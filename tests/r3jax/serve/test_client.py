@@ -1,10 +1,12 @@
 """RemoteInferenceClient logic against fake servers (no JAX programs): retries on 503 but not on
 4xx/500, the row rule enforced on whatever a server answers, the start checked before sending,
 sticky sessions and load spreading over replicas, a dead replica skipped until /health answers,
-and SGLang's /generate format."""
+a warming replica waited for within the cold-start budget, a failed one routed around, and
+SGLang's /generate format."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 
@@ -260,3 +262,107 @@ def test_parse_response_reads_the_skyrl_form_and_checks_it():
                           ({"routed_experts": [[[0, 1]]]}, "packed form")):
         with pytest.raises(ProtocolError, match=match):
             parse_response(json.dumps({**obj, **change}).encode(), "application/json", REQ, info, "test")
+
+
+class FakeTime:
+    """The client's retry clock, moved only by its own sleeps (and by the fake replica's timeouts)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, s: float) -> None:
+        self.now += s
+        await asyncio.sleep(0)
+
+
+def timed(client, t: FakeTime):
+    client._clock, client._sleep = t.clock, t.sleep
+    return client
+
+
+MODEL = {"num_experts": 8, "top_k": 2, "num_moe_layers": 2, "moe_layer_ids": [1, 2], "vocab_size": 272,
+         "max_seq_len": 64, "weight_version": 0}
+ANSWER = {"output_ids": [5, 6], "logprobs": [-0.5, -0.5], "finish_reason": "length", "routed_experts": None,
+          "prompt_tokens": 3, "cached_tokens": 0, "weight_version": 0}
+
+
+def restarting_replica(t: FakeTime, listening_at: float, ready_at: float):
+    """An httpx handler: no connection before ``listening_at``, then ``warming_up`` on /health until
+    ``ready_at`` (a generate request sent meanwhile sits behind the warm-up past the client's 60 s
+    read timeout), then serving. Returns ``(handler, times of the generate requests it received)``."""
+    posts = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if t.now < listening_at:
+            raise httpx.ConnectError("connection refused", request=request)
+        warming = t.now < ready_at
+        if request.url.path == "/health":
+            if warming:
+                return httpx.Response(503, json={"status": "warming_up"}, headers={"Retry-After": "1"})
+            return httpx.Response(200, json={"status": "ok", "weight_version": 0})
+        if request.url.path == "/v1/model":
+            return httpx.Response(200, json=MODEL)
+        posts.append(t.now)
+        if warming:
+            t.now += 60.0
+            raise httpx.ReadTimeout("timed out", request=request)
+        return httpx.Response(200, json=ANSWER)
+    return handle, posts
+
+
+@pytest.mark.parametrize("listening_at", [0.0, 10.0])  # warming when first met / down, then warming (a restart)
+def test_client_rides_through_a_warm_up_longer_than_its_retry_budget(listening_at):
+    """A cold start (no compilation cache) warms up for 200 s, past retry_timeout_s=120: the client
+    tells warming from dead, keeps waiting within warmup_timeout_s, and the request completes."""
+    t = FakeTime()
+    handle, posts = restarting_replica(t, listening_at, ready_at=200.0)
+    req = GenerateRequest([1, 2, 3], max_tokens=2)
+    with timed(RemoteInferenceClient("http://a:1", transport=httpx.MockTransport(handle)), t) as client:
+        assert (client.retry.timeout_s, client.retry.warmup_timeout_s) == (120.0, 300.0)  # the defaults
+        [out] = client.generate([req])
+        assert out.output_ids == [5, 6] and client.stats["failed"] == 0
+        assert t.now >= 200.0 and posts[-1] >= 200.0  # served once warm, long past the 120 s budget
+        assert len(posts) == (2 if listening_at == 0.0 else 1)  # sent to a warming replica only before it said so
+    t = FakeTime()
+    handle, posts = restarting_replica(t, listening_at, ready_at=200.0)
+    with timed(RemoteInferenceClient("http://a:1", transport=httpx.MockTransport(handle),
+                                     warmup_timeout_s=150.0), t) as client:
+        with pytest.raises(RemoteError, match=r"warmup_timeout_s=150 while a replica warms up.*warming_up"):
+            client.generate([req])  # the cold-start budget is what carried it
+        assert t.now < 200.0
+
+
+def test_a_replica_whose_engine_failed_leaves_rotation_and_the_other_serves(serve_helpers):
+    """A's engine cannot continue: its /health answers 503 failed with the reason, and generate 503.
+    The client moves A's requests to B at once and keeps A out of rotation afterwards, however long
+    it waits (A is re-probed and still says failed)."""
+    from r3jax.engine import EngineFailedError
+
+    reason = "rebuilding the device state after a failed step raised RuntimeError: device lost"
+
+    class FailedEngine(serve_helpers.FakeEngine):
+        failure = reason
+
+        def generate(self, requests):
+            raise EngineFailedError(reason)
+
+    a_app = Flaky(create_app(FailedEngine()), 0, 503)  # counts A's generate requests
+    t = FakeTime()
+    with serve_helpers.thread_server(a_app, wait=False) as a, \
+            serve_helpers.thread_server(create_app(serve_helpers.FakeEngine())) as b, \
+            timed(fast([a.url, b.url]), t) as client:
+        r = httpx.get(a.url + "/health")
+        assert r.status_code == 503 and r.json() == {"status": "failed", "reason": reason}
+        reqs = [GenerateRequest([1, 2], max_tokens=1) for _ in range(8)]
+        assert [o.output_ids for o in client.generate(reqs)] == [[3]] * 8  # A's share moved to B
+        sent_to_a = a_app.posts
+        assert 1 <= sent_to_a <= 8 and client.stats["failed"] == 0
+        for _ in range(3):
+            t.now += 10.0  # past A's Retry-After and health interval: it is asked again
+            assert len(client.generate(reqs)) == 8
+        assert a_app.posts == sent_to_a  # never back in rotation
+        [replica_a, _] = client.replicas.all
+        assert not replica_a.alive and (replica_a.health.status, replica_a.health.reason) == ("failed", reason)

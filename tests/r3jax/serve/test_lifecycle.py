@@ -1,6 +1,6 @@
 """Server behaviour that needs control over timing, with a gated fake engine (no JAX programs):
-/health while warming up, graceful shutdown with a request in flight, a full queue, and a client
-that disconnects cancelling its request."""
+/health while warming up and after a failed warm-up, graceful shutdown with a request in flight, a
+full queue, and a client that disconnects cancelling its request."""
 
 from __future__ import annotations
 
@@ -114,3 +114,15 @@ def test_full_queue_is_503_and_the_client_retries_later(serve_helpers):
             engine.gate.set()
             assert later.result()[0].output_ids == [9, 10]  # ...served once there is room
         assert [f.result().status_code for f in held] == [200] * 3
+
+
+def test_health_is_503_failed_with_the_reason_when_warm_up_fails(serve_helpers):
+    class NoCompile(serve_helpers.FakeEngine):
+        def warmup(self):
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory compiling decode")
+
+    with serve_helpers.thread_server(create_app(NoCompile()), wait=False) as srv:
+        r = poll(lambda: (r := httpx.get(srv.url + "/health")).json()["status"] != "warming_up" and r)
+        assert r.status_code == 503 and "retry-after" not in r.headers
+        reason = "warm-up failed: RuntimeError: RESOURCE_EXHAUSTED: out of memory compiling decode"
+        assert r.json() == {"status": "failed", "reason": reason}

@@ -8,13 +8,13 @@ import asyncio
 import pytest
 
 from r3jax.serve.client.errors import Retryable
-from r3jax.serve.client.replicas import Replicas, rendezvous
+from r3jax.serve.client.replicas import OK, Health, Replicas, rendezvous
 
 URLS = ["http://a:1", "http://b:1", "http://c:1"]
 
 
 async def healthy(url):
-    return True
+    return OK
 
 
 def test_rendezvous_moves_only_the_dead_replicas_sessions():
@@ -31,7 +31,7 @@ def test_rendezvous_moves_only_the_dead_replicas_sessions():
 def test_pick_least_loaded_and_no_live_replica_is_retryable():
     async def main():
         async def down(url):
-            return False
+            return Health("down")
         reps = Replicas(URLS, down, health_interval_s=0.0)
         reps.all[0].in_flight, reps.all[1].in_flight, reps.all[2].in_flight = 3, 1, 2
         assert (await reps.pick(None)).url == "http://b:1"
@@ -45,11 +45,11 @@ def test_pick_least_loaded_and_no_live_replica_is_retryable():
 def test_a_stale_probe_does_not_undo_a_newer_one():
     async def main():
         release = asyncio.Event()
-        answers = iter([False, True])  # the first probe hangs, then says "down"; the second says "up"
+        answers = iter([Health("down"), OK])  # the first probe hangs, then says "down"; the second says "up"
 
         async def check(url):
             answer = next(answers)
-            if not answer:
+            if not answer.ok:
                 await release.wait()
             return answer
 

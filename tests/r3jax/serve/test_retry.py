@@ -138,7 +138,8 @@ def test_other_errors_are_not_retried():
 
 @pytest.mark.parametrize("kw,match", [({"timeout_s": -1}, "timeout_s"), ({"timeout_s": float("inf")}, "timeout_s"),
                                       ({"backoff_s": True}, "backoff_s"), ({"max_retries": -1}, "max_retries"),
-                                      ({"backoff_s": 3.0, "max_backoff_s": 2.0}, "max_backoff_s")])
+                                      ({"backoff_s": 3.0, "max_backoff_s": 2.0}, "max_backoff_s"),
+                                      ({"warmup_timeout_s": float("nan")}, "warmup_timeout_s")])
 def test_policy_refuses_bad_settings(kw, match):
     with pytest.raises(ValueError, match=match):
         RetryPolicy(**kw)
@@ -150,3 +151,23 @@ def test_parse_retry_after():
     assert parse_retry_after("-3") == 0.0 and parse_retry_after("nan") is None
     date = email.utils.formatdate(1_000_030.0, usegmt=True)
     assert parse_retry_after(date, now=1_000_000.0) == 30.0
+
+
+def test_while_a_replica_warms_up_the_budget_is_the_cold_start_one():
+    """Same failing attempts: 30 s of retries while nobody is warming up, 100 s while one is (and
+    the larger budget wins: a warm-up budget below timeout_s never shortens it)."""
+    p = RetryPolicy(timeout_s=30.0, backoff_s=1.0, max_backoff_s=1.0, warmup_timeout_s=100.0)
+    assert (p.budget_s(False), p.budget_s(True)) == (30.0, 100.0)
+    assert RetryPolicy(timeout_s=30.0, warmup_timeout_s=10.0).budget_s(True) == 30.0
+    for warming, last in ((False, 29.0), (True, 99.0)):
+        t, calls = FakeTime(), []
+
+        async def attempt():
+            calls.append(t.now)
+            raise Retryable("no live replica (http://a: warming_up)")
+
+        with pytest.raises(RemoteError) as err:
+            asyncio.run(call_with_retries(attempt, p, clock=t.clock, sleep=t.sleep, rng=EdgeRng(top=True),
+                                          warming=lambda: warming))
+        assert calls[-1] == last  # one attempt a second, the last one starting inside the budget
+        assert ("warmup_timeout_s=100 while a replica warms up" in str(err.value)) == warming
