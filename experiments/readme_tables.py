@@ -81,8 +81,9 @@ def tables() -> dict[str, str]:
         out["BENCH_EP_TIME"] = _t(d["wall"], ["run", "step_s", "vs_data8_replicated"])
     d = _load("replay_mismatch")
     if d:
-        out["BENCH_REPLAY"] = _t(d["rows"], ["config", "rollout", "replay", "routing_disagreement",
-                                             "token_any_disagreement", "live_routing_disagreement",
+        # not routing_disagreement / token_any_disagreement: in older results those compare the routes
+        # replay used (the rollout's) with the rollout's, 0 under replay by construction
+        out["BENCH_REPLAY"] = _t(d["rows"], ["config", "rollout", "replay", "live_routing_disagreement",
                                              "mean_abs_delta", "k3_kl", "f2"])
         out["BENCH_REPLAY_TIME"] = ("Train step with replay ÷ without (fp32, bf16 batch; target ≤ 1.03): wall "
                                     "time in interleaved pairs, and XLA's cost analysis of the two compiled "
@@ -129,7 +130,7 @@ def tables() -> dict[str, str]:
     d = _load("demo_summary")
     if d:
         cols = ["run", "seeds", "steps", "reward_first", "reward_last", "collapses", "k3_kl", "mean_abs_delta",
-                "live_routing_disagreement", "routing_disagreement"]
+                "live_routing_disagreement"]
         rows = [{c: _pm(r.get(c)) for c in cols} for r in d["runs"]]
         effect = d.get("replay_effect")
         out["DEMO_RESULTS"] = _t(rows, cols) + ("" if not effect else (

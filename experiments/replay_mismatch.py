@@ -5,9 +5,10 @@
 For each model config (random init, fp32 parameters), the in-process engine samples rollouts
 (temperature 1, routes captured) once in bf16 compute and once in fp32 (the same-dtype control).
 An fp32 trainer then scores the same tokens with ``eval_step`` twice: ``replay="none"`` (live
-routing) and ``replay="rollout"`` (R3). Reported over loss-active tokens (r3jax.metrics):
-routing disagreement (routes the trainer used vs the rollout's), tokens with any differing layer,
-the trainer router's own disagreement (``live_``, what replay overrides), mean |Δ|, k3 KL and F(2).
+routing) and ``replay="rollout"`` (R3). Reported over loss-active tokens (r3jax.metrics): the
+trainer router's own routing disagreement with the rollout (``live_``: what replay overrides; under
+replay the experts used are the rollout's by construction, so that is not a result), tokens with any
+differing layer, mean |Δ|, k3 KL, F(2) and the fallback fraction.
 Last, the fp32 train step with replay ÷ without on the bf16 batch (target <= 1.03): wall time in
 interleaved pairs, plus XLA's cost analysis of the two compiled programs (deterministic flops and
 bytes, immune to a busy machine). Writes experiments/results/replay_mismatch.{json,png}.
@@ -33,8 +34,8 @@ from r3jax.sharding import shard_batch
 from r3jax.trace import RoutedExpertTrace
 from r3jax.train import LossConfig, eval_step, init_train_state, make_train_step
 
-COLUMNS = ["config", "rollout", "replay", "routing_disagreement", "token_any_disagreement",
-           "live_routing_disagreement", "mean_abs_delta", "k3_kl", "f2", "fallback_fraction"]
+COLUMNS = ["config", "rollout", "replay", "live_routing_disagreement", "live_token_any_disagreement",
+           "mean_abs_delta", "k3_kl", "f2", "fallback_fraction"]
 
 
 def rollouts(engine: Engine, cfg: MoeConfig, *, n: int, prompt_len: int, max_tokens: int, seed: int):
@@ -102,7 +103,8 @@ def measure(name: str, cfg: MoeConfig, *, n: int, prompt_len: int, max_tokens: i
             m = jax.device_get(eval_step(state, batches[label], replay=replay))
             rows.append({"config": name, "rollout": label, "replay": replay,
                          **{k: float(v) for k, v in m.items() if np.ndim(v) == 0},
-                         "routing_disagreement_per_layer": np.asarray(m["routing_disagreement_per_layer"]).tolist()})
+                         "live_routing_disagreement_per_layer":
+                             np.asarray(m["live_routing_disagreement_per_layer"]).tolist()})
             print(table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
     timing = {"config": name, "tokens": int(np.asarray(batches["bf16"].attention_mask).sum()),
               **step_time_ratio(model, batches["bf16"], reps=reps)}
@@ -114,7 +116,8 @@ def plot(rows: list[dict], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = [("routing_disagreement", "routing disagreement"), ("token_any_disagreement", "tokens, any layer differs"),
+    metrics = [("live_routing_disagreement", "trainer router's disagreement"),
+               ("live_token_any_disagreement", "tokens, any layer differs"),
                ("k3_kl", "k3 KL"), ("mean_abs_delta", "mean |Δ logprob|")]
     groups = sorted({(r["config"], r["rollout"]) for r in rows}, key=lambda g: (g[0] != "tiny", g))
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.6))
@@ -165,8 +168,8 @@ def main():
         summary.append({"config": name,
                         "k3_kl_none": get("bf16", "none", "k3_kl"), "k3_kl_replay": get("bf16", "rollout", "k3_kl"),
                         "k3_reduction": get("bf16", "none", "k3_kl") / max(get("bf16", "rollout", "k3_kl"), 1e-30),
-                        "disagreement_none": get("bf16", "none", "routing_disagreement"),
-                        "disagreement_replay": get("bf16", "rollout", "routing_disagreement")})
+                        "live_disagreement_none": get("bf16", "none", "live_routing_disagreement"),
+                        "live_disagreement_replay": get("bf16", "rollout", "live_routing_disagreement")})
     print()
     print(table(summary, list(summary[0])))
     path = write_json("replay_mismatch", {"args": vars(args), "plan": plan, "rows": rows, "timing": timings,

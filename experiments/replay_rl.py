@@ -123,8 +123,8 @@ def run_one(args, engine, warm, mesh, mode, precision, seed, bar) -> list[dict]:
                "k3_kl": float(first["k3_kl"]), "mean_abs_delta": float(first["mean_abs_delta"]),
                "live_routing_disagreement": float(first["live_routing_disagreement"]),
                "live_routing_disagreement_per_layer": np.asarray(first["live_routing_disagreement_per_layer"]).tolist(),
-               "routing_disagreement": float(first["routing_disagreement"]),
-               "clip_fraction": float(np.mean([h["clip_fraction"] for h in hist])),
+               # NaN in a minibatch without targets (nothing measured): left out of the mean
+               "clip_fraction": float(np.nanmean([h["clip_fraction"] for h in hist])),
                "grad_norm": float(np.mean([h["grad_norm"] for h in hist])),
                "entropy": float(first["entropy"])}
         records.append(rec)
@@ -153,9 +153,9 @@ def summarize(runs: dict, steps: int) -> dict:
             "mean_abs_delta_p99": float(np.percentile(pooled("mean_abs_delta"), 99)),
             "clip_fraction": float(pooled("clip_fraction").mean()), "grad_norm": float(pooled("grad_norm").mean()),
             "entropy": float(pooled("entropy").mean()),
-            "live_routing_disagreement": float(pooled("live_routing_disagreement").mean()),
-            "live_routing_disagreement_per_layer": np.mean([r["live_routing_disagreement_per_layer"] for r in recs],
-                                                           axis=0).tolist(),
+            "live_routing_disagreement": float(np.nanmean(pooled("live_routing_disagreement"))),  # NaN: not measured
+            "live_routing_disagreement_per_layer": np.nanmean([r["live_routing_disagreement_per_layer"] for r in recs],
+                                                              axis=0).tolist(),
             "collapses": sum(c is not None for c in collapses),
             "collapse_steps": [c for c in collapses if c is not None],
         }

@@ -5,7 +5,9 @@
 1. For each router family (tiny dims, random init, fp32 parameters) this reruns the
    ``replay_mismatch`` measurement (experiments/replay_mismatch.py): the in-process engine samples
    rollouts in bf16 and in fp32 (control); an fp32 trainer scores them with ``replay="none"`` and
-   ``"rollout"``. Reported: routing disagreement, tokens with any differing layer, mean |Δ|, k3 KL.
+   ``"rollout"``. Reported: the trainer router's own routing disagreement with the rollout (under
+   replay too; the experts replay uses are the rollout's by construction), tokens with any
+   differing layer, mean |Δ|, k3 KL.
    The sigmoid families use a nonzero selection bias and (grouped) 4 groups of which 2 are chosen.
 2. The fp32 train step with replay ÷ without per family (interleaved wall-time pairs and XLA's
    flops/bytes ratio of the two compiled programs).

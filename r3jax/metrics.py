@@ -1,7 +1,9 @@
 """Train–inference mismatch metrics (DESIGN.md §6), defined once for the trainer, tests and experiments.
 
 All functions are pure ``jnp`` over ``[B, S]``-indexed arrays (numpy inputs work too) and are safe
-inside ``jax.jit``. Values outside a mask never reach a result, even if they are inf or NaN.
+inside ``jax.jit``. Values outside a mask never reach a result, even if they are inf or NaN. A
+mean over an empty set is NaN (nothing was measured), never 0: a run that captured no routes must not
+read as "no disagreement".
 
 Two token sets are used, both derived from the batch contract (row i of every array = absolute
 token i; ``loss_mask[i] == 1`` when token i is a loss-active target predicted from the logits at
@@ -26,13 +28,16 @@ LN2 = math.log(2.0)
 
 
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
-    """Mean of ``x`` over ``mask`` (any shape broadcastable to x); 0.0 when the mask is empty.
+    """Mean of ``x`` over ``mask`` (any shape broadcastable to x); NaN when the mask is empty.
 
-    Entries outside the mask are replaced by 0 before summing, so NaN/inf there cannot leak.
+    An empty mask means no data, never a perfect score of 0. Entries outside the mask are replaced
+    by 0 before summing, so NaN/inf there cannot leak, and the gradient in ``x`` stays finite (0
+    when the mask is empty: the NaN is selected by ``where``, never divided through).
     """
     m = jnp.broadcast_to(jnp.asarray(mask, jnp.float32), jnp.shape(x))
     x = jnp.where(m > 0, jnp.asarray(x, jnp.float32), 0.0)
-    return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
+    count = jnp.sum(m)
+    return jnp.where(count > 0, jnp.sum(x * m) / jnp.maximum(count, 1.0), jnp.nan)
 
 
 def predicting_mask(loss_mask: jax.Array) -> jax.Array:
@@ -70,20 +75,22 @@ def route_set_differs(routes, rollout_routes) -> jax.Array:
 
 
 def routing_disagreement(routes, rollout_routes, route_mask, loss_mask) -> dict[str, jax.Array]:
-    """Disagreement between the trainer's routes and the rollout's recorded routes.
+    """Disagreement between the trainer router's own routes and the rollout's recorded routes.
 
-    routes [B, S, L, K] (the model's ``out.routes`` or ``out.live_routes``), rollout_routes [B, S, L, K],
-    route_mask [B, S] bool (a recorded row exists), loss_mask [B, S]. Counted over predicting
-    positions that have a recorded row. Returns ``routing_disagreement`` (fraction of
-    (token, MoE layer) pairs whose sets differ), ``routing_disagreement_per_layer`` [L] and
-    ``token_any_disagreement`` (fraction of tokens with at least one differing layer).
+    routes [B, S, L, K] (the model's ``out.live_routes``), rollout_routes [B, S, L, K], route_mask
+    [B, S] bool (a recorded row exists), loss_mask [B, S]. Counted over predicting positions that
+    have a recorded row. Returns ``routing_disagreement`` (fraction of (token, MoE layer) pairs
+    whose sets differ), ``routing_disagreement_per_layer`` [L] and ``token_any_disagreement``
+    (fraction of tokens with at least one differing layer). No such position (nothing captured),
+    or no MoE layer, gives NaN: nothing was compared.
     """
     differs = route_set_differs(routes, rollout_routes)  # [B, S, L]
     tok = predicting_mask(loss_mask) & (jnp.asarray(route_mask) > 0)  # [B, S]
     d = differs.astype(jnp.float32)
-    count = jnp.maximum(jnp.sum(tok.astype(jnp.float32)), 1.0)
-    per_layer = jnp.sum(jnp.where(tok[..., None], d, 0.0), axis=(0, 1)) / count  # [L]
-    overall = jnp.mean(per_layer) if d.shape[-1] else jnp.zeros((), jnp.float32)
+    count = jnp.sum(tok.astype(jnp.float32))
+    per_layer = jnp.sum(jnp.where(tok[..., None], d, 0.0), axis=(0, 1)) / jnp.maximum(count, 1.0)  # [L]
+    per_layer = jnp.where(count > 0, per_layer, jnp.nan)
+    overall = jnp.mean(per_layer) if d.shape[-1] else jnp.full((), jnp.nan, jnp.float32)
     return {
         "routing_disagreement": overall,
         "routing_disagreement_per_layer": per_layer,
@@ -93,7 +100,8 @@ def routing_disagreement(routes, rollout_routes, route_mask, loss_mask) -> dict[
 
 def fallback_fraction(route_mask, loss_mask) -> jax.Array:
     """Fraction of loss-active targets whose predicting position has no recorded row, i.e. whose
-    logits were produced by live routing for lack of a row (route_mask [B, S] bool, loss_mask [B, S])."""
+    logits were produced by live routing for lack of a row (route_mask [B, S] bool, loss_mask [B, S]).
+    NaN when there is no loss-active target."""
     pred = predicting_mask(loss_mask)
     missing = (~(jnp.asarray(route_mask) > 0)).astype(jnp.float32)
     return masked_mean(missing, pred)
@@ -109,21 +117,19 @@ def target_entropy(logits, loss_mask) -> jax.Array:
 
 
 def mismatch_metrics(*, train_logprobs, rollout_logprobs, loss_mask, live_routes, rollout_routes,
-                     route_mask, used_routes=None) -> dict[str, jax.Array]:
-    """All §6 metrics in one dict.
+                     route_mask) -> dict[str, jax.Array]:
+    """All §6 metrics in one dict; each is NaN when its token set is empty (no data, not a 0).
 
-    Routing is compared twice against the rollout's routes [B, S, L, K]:
-    ``routing_disagreement`` / ``_per_layer`` [L] / ``token_any_disagreement`` use the routes the
-    trainer actually computed with (``used_routes``: the model's ``out.routes``, replayed where a row
-    was replayed; default ``live_routes``), so they are 0 under replay and measure the routing
-    mismatch the loss sees. ``live_routing_disagreement`` / ``live_routing_disagreement_per_layer`` /
-    ``live_token_any_disagreement`` use the router's own top-k (``out.live_routes``): what the
-    trainer would have chosen, i.e. what replay overrides. Without replay the two sets are equal.
-    Plus mean_abs_delta, k3_kl, f2 (:func:`logprob_mismatch`) and fallback_fraction.
+    ``live_routing_disagreement`` / ``live_routing_disagreement_per_layer`` [L] /
+    ``live_token_any_disagreement`` compare the router's own top-k (``live_routes``, the model's
+    ``out.live_routes`` [B, S, L, K], also under replay) with the rollout's routes [B, S, L, K]:
+    what the trainer would have chosen, i.e. what replay overrides. The routes a replaying trainer
+    *used* are the replayed ids wherever a row was captured, so comparing those with the rollout's
+    would be 0 by construction; it is not reported. Plus mean_abs_delta, k3_kl, f2
+    (:func:`logprob_mismatch`) and fallback_fraction (the loss-active targets routed live for lack
+    of a row).
     """
-    used_routes = live_routes if used_routes is None else used_routes
     out = logprob_mismatch(train_logprobs, rollout_logprobs, loss_mask)
-    out.update(routing_disagreement(used_routes, rollout_routes, route_mask, loss_mask))
     live = routing_disagreement(live_routes, rollout_routes, route_mask, loss_mask)
     out.update({"live_" + k: v for k, v in live.items()})
     out["fallback_fraction"] = fallback_fraction(route_mask, loss_mask)

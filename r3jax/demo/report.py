@@ -1,10 +1,13 @@
 """The demo's summary table and plots over seeds, read back from every run's full ``metrics.jsonl``
 (so a resumed run is reported whole). Each mode's numbers are means over seeds with a 95% Student-t
-confidence interval; the replay effect is the paired difference (replay − no replay, same seed)."""
+confidence interval; the replay effect is the paired difference (replay − no replay, same seed).
+A metric a step could not measure (NaN: e.g. routing disagreement with no captured route) is left
+out of the means; one no step measured is None in summary.json and prints "n/a"."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -13,19 +16,23 @@ from r3jax.metrics import collapse_step, mean_ci95
 
 LABEL = {"rollout": "with replay (R3)", "none": "without replay"}
 COLUMNS = ["run", "seeds", "steps", "reward_first", "reward_last", "collapses", "k3_kl", "mean_abs_delta",
-           "live_routing_disagreement", "routing_disagreement", "clip_fraction", "grad_norm", "entropy",
-           "route_MiB"]
-PER_RUN = ("k3_kl", "mean_abs_delta", "live_routing_disagreement", "routing_disagreement",
-           "token_any_disagreement", "clip_fraction", "grad_norm", "entropy")
+           "live_routing_disagreement", "fallback_fraction", "clip_fraction", "grad_norm", "entropy", "route_MiB"]
+PER_RUN = ("k3_kl", "mean_abs_delta", "live_routing_disagreement", "live_token_any_disagreement",
+           "fallback_fraction", "clip_fraction", "grad_norm", "entropy")
 
 
 def table(rows: list[dict], columns: list[str]) -> str:
     """A Markdown table of ``rows`` restricted to ``columns``; a ``(mean, ci)`` pair prints as
-    "mean ± ci", floats to 4 significant figures."""
-    def fmt(v):
-        if isinstance(v, (list, tuple)) and len(v) == 2:
-            return f"{v[0]:.4g} ± {v[1]:.2g}"
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
+    "mean ± ci", floats to 4 significant figures, None and NaN (not measured) as "n/a"."""
+    def missing(v):
+        return v is None or (isinstance(v, float) and math.isnan(v))
+
+    def fmt(v, spec=".4g"):
+        if isinstance(v, (list, tuple)) and len(v) == 2 and all(x is None or isinstance(x, float) for x in v):
+            return "n/a" if missing(v[0]) else f"{fmt(v[0])} ± {fmt(v[1], '.2g')}"
+        if missing(v):
+            return "n/a"
+        return f"{v:{spec}}" if isinstance(v, float) else str(v)
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
@@ -37,9 +44,13 @@ def load_metrics(run_dir: Path) -> list[dict]:
 
 
 def _part(recs, key, part):
+    """Mean of ``key`` over the first / last quarter of the steps or all of them; steps where it is
+    NaN (not measured) are left out, and NaN when no step measured it."""
     vals = [r[key] for r in recs]
     n = max(1, len(vals) // 4)
-    return float(np.mean(vals[:n] if part == "first" else vals[-n:] if part == "last" else vals))
+    vals = np.asarray(vals[:n] if part == "first" else vals[-n:] if part == "last" else vals, np.float64)
+    vals = vals[~np.isnan(vals)]
+    return float(vals.mean()) if vals.size else float("nan")
 
 
 def _ci(values) -> list[float]:
@@ -66,7 +77,8 @@ def summarize(runs: dict[str, dict[int, list[dict]]]) -> list[dict]:
                    route_MiB=float(np.mean([sum(x["route_bytes"] for x in r) for r in recs]) / 2**20))
         for key in PER_RUN:
             if all(key in x for r in recs for x in r):
-                row[key] = _ci([_part(r, key, "all") for r in recs])
+                per_seed_means = [v for v in (_part(r, key, "all") for r in recs) if not math.isnan(v)]
+                row[key] = _ci(per_seed_means) if per_seed_means else None
         rows.append(row)
     return rows
 

@@ -141,7 +141,7 @@ def run(args, mode: str, warm_model, mesh, rollouts: Rollouts, out: Path) -> lis
                 log.flush()
                 records.append(rec)
                 bar.set_postfix(reward=f"{rec['reward']:.3f}", k3=f"{rec['k3_kl']:.1e}",
-                                dis=f"{rec['routing_disagreement']:.3f}", bytes=rec["route_bytes"])
+                                dis=f"{rec['live_routing_disagreement']:.3f}", bytes=rec["route_bytes"])
         if records and not ckpt.should_save(records[-1]["step"]):
             ckpt.save(state, data_cursor={"step": records[-1]["step"]}, force=True)  # resume from the end
         ckpt.wait()  # raises CheckpointWriteError if the last save failed

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from r3jax.checks import FieldError
 from r3jax.metrics import masked_mean
 
 
@@ -24,7 +25,8 @@ class LossConfig:
     surrogate's ratio is taken against the trainer's own (stop-gradient) logprobs and every token
     is weighted by ``min(π_train / π_rollout, C)`` (stop-gradient). kl_coef: weight of the k3 KL to
     a reference policy (needs ``ref_logprobs``). aux_coef: weight of the router load-balancing
-    loss; None takes the model's ``router_aux_loss_coef``. bias_update_rate: DeepSeek-V3's
+    loss; None takes the model config's ``router_aux_loss_coef`` (:func:`aux_coefficient`; a model
+    without one needs an explicit aux_coef). bias_update_rate: DeepSeek-V3's
     auxiliary-loss-free balancing for ``sigmoid_bias_grouped`` routers: after each train step every
     MoE layer's ``router_bias`` (selection only, outside the gradient) moves by
     ``rate * sign(mean load - load)`` from that step's ``expert_load`` (under replay: the replayed
@@ -67,6 +69,21 @@ class LossConfig:
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"LossConfig.{name}={getattr(self, name)!r}: expected {expected}")
+
+
+def aux_coefficient(config: LossConfig, model_config) -> float:
+    """The aux-loss weight: ``config.aux_coef`` if set, else ``model_config.router_aux_loss_coef``.
+
+    Raises :class:`r3jax.checks.FieldError` when neither is there (no silent 0: that would switch
+    load balancing off without a word).
+    """
+    if config.aux_coef is not None:
+        return config.aux_coef
+    coef = getattr(model_config, "router_aux_loss_coef", None)
+    if coef is None:
+        raise FieldError("LossConfig.aux_coef", None, "a float >= 0 (the model config "
+                         f"{type(model_config).__name__} has no router_aux_loss_coef to default to)")
+    return float(coef)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0, top_k: int = 0,

@@ -28,7 +28,7 @@ from flax import nnx
 from models import Replay, routers
 from r3jax import metrics as mm
 from r3jax.train import partition
-from r3jax.train.loss import LossConfig, policy_loss, token_logprobs
+from r3jax.train.loss import LossConfig, aux_coefficient, policy_loss, token_logprobs
 from r3jax.train.model_protocol import route_config
 from r3jax.train.state import TrainState, state_shardings
 
@@ -61,13 +61,13 @@ def forward_metrics(params, state: TrainState, batch, replay: str, config: LossC
     lp = token_logprobs(out.logits, batch.tokens, config.temperature, config.top_k, config.top_p)  # as sampled
     loss, stats = policy_loss(lp, batch.rollout_logprobs, batch.advantages, batch.loss_mask, config,
                               ref_logprobs)
-    cfg = getattr(model, "config", None)
-    aux_coef = config.aux_coef if config.aux_coef is not None else getattr(cfg, "router_aux_loss_coef", 0.0)
-    loss = loss + aux_coef * out.aux_loss
+    loss = loss + aux_coefficient(config, getattr(model, "config", None)) * out.aux_loss
+    # routing is compared through the router's own top-k (live_routes): the used routes are the
+    # replayed ids under replay, so they would agree with the rollout's by construction
     metrics = mm.mismatch_metrics(train_logprobs=jax.lax.stop_gradient(lp),
                                   rollout_logprobs=batch.rollout_logprobs, loss_mask=batch.loss_mask,
                                   live_routes=out.live_routes, rollout_routes=batch.routes,
-                                  route_mask=captured, used_routes=out.routes)
+                                  route_mask=captured)
     metrics.update(stats)
     metrics["entropy"] = mm.target_entropy(jax.lax.stop_gradient(out.logits), batch.loss_mask)
     metrics.update(loss=loss, aux_loss=out.aux_loss,
@@ -81,10 +81,12 @@ _LOAD = "_expert_load"
 
 
 def _imbalance(load):
-    """Mean over MoE layers of max(load) / mean(load) (1 = perfectly balanced) [L, E] -> scalar."""
+    """Mean over MoE layers of max(load) / mean(load) (1 = perfectly balanced) [L, E] -> scalar;
+    NaN without MoE layers or when a layer counted no token (nothing to balance is not balance)."""
     if load.shape[0] == 0:
-        return jnp.ones((), jnp.float32)
-    return jnp.mean(jnp.max(load, -1) / jnp.maximum(jnp.mean(load, -1), 1e-9))
+        return jnp.full((), jnp.nan, jnp.float32)
+    mean = jnp.mean(load, -1)
+    return jnp.mean(jnp.where(mean > 0, jnp.max(load, -1) / jnp.where(mean > 0, mean, 1.0), jnp.nan))
 
 
 def _train_impl(state: TrainState, batch, ref_logprobs, trainer_routes, *, replay: str, config: LossConfig):
@@ -268,10 +270,10 @@ def train_step(state: TrainState, batch, *, replay: str = "rollout", config: Los
     exactly in this mode) or "none" (live routing).
     metrics (replicated scalars unless noted): loss, pg_loss, aux_loss, clip_fraction,
     importance_weight, grad_norm, num_targets, mean_abs_delta, k3_kl, f2, fallback_fraction,
-    routing_disagreement, routing_disagreement_per_layer [L], token_any_disagreement (routes used,
-    so 0 under replay) and the live_* versions of those three (the router's own top-k, which
-    replay overrides; see r3jax.metrics.mismatch_metrics), entropy (mean policy entropy at the
-    targets), + kl_ref with a reference.
+    live_routing_disagreement, live_routing_disagreement_per_layer [L], live_token_any_disagreement
+    (the router's own top-k vs the rollout's, also under replay, where it is what replay overrides;
+    see r3jax.metrics.mismatch_metrics), entropy (mean policy entropy at the targets),
+    expert_load_imbalance, + kl_ref with a reference. A metric over an empty token set is NaN.
     The compiled program is cached per (mesh, state structure, replay, config, batch shapes).
     """
     return _run("train", state, batch, replay, config, ref_logprobs, trainer_routes)

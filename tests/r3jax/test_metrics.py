@@ -26,14 +26,49 @@ def test_logprob_mismatch_hand_values_and_masked_garbage():
     assert 0.8 > math.log(2) > 0.1
 
 
-def test_empty_mask_gives_zero_not_nan():
+def _nan(v):
+    return bool(np.all(np.isnan(np.asarray(v))))
+
+
+def test_empty_loss_mask_gives_nan_not_a_perfect_score():
     z = np.zeros((2, 3), np.float32)
     out = mismatch_metrics(train_logprobs=z, rollout_logprobs=z, loss_mask=z,
-                              live_routes=np.zeros((2, 3, 2, 2), np.int32),
-                              rollout_routes=np.ones((2, 3, 2, 2), np.int32),
-                              route_mask=np.zeros((2, 3), bool))
-    for k, v in out.items():
-        assert np.all(np.asarray(v) == 0.0), k
+                           live_routes=np.zeros((2, 3, 2, 2), np.int32),
+                           rollout_routes=np.ones((2, 3, 2, 2), np.int32),
+                           route_mask=np.zeros((2, 3), bool))
+    assert sorted(k for k, v in out.items() if not _nan(v)) == []
+    assert np.asarray(out["live_routing_disagreement_per_layer"]).shape == (2,)
+    assert _nan(mm.target_entropy(np.zeros((2, 3, 4), np.float32), z))
+
+
+def test_all_false_route_mask_gives_nan_disagreement():
+    # targets exist, but no route row was captured: nothing to compare routing with (NaN), every
+    # target fell back to live routing (1.0), and the logprob metrics are unaffected
+    loss_mask = np.array([[0, 1, 1, 1]], np.float32)
+    lp = np.array([[0.0, -1.0, -1.0, -1.0]], np.float32)
+    out = mismatch_metrics(train_logprobs=lp, rollout_logprobs=lp - 0.5 * loss_mask, loss_mask=loss_mask,
+                           live_routes=np.zeros((1, 4, 2, 2), np.int32),
+                           rollout_routes=np.ones((1, 4, 2, 2), np.int32),
+                           route_mask=np.zeros((1, 4), bool))
+    for k in ("live_routing_disagreement", "live_routing_disagreement_per_layer", "live_token_any_disagreement"):
+        assert _nan(out[k]), (k, out[k])
+    assert float(out["fallback_fraction"]) == 1.0
+    assert float(out["mean_abs_delta"]) == pytest.approx(0.5)
+    # no MoE layer at all: nothing compared either
+    none = routing_disagreement(np.zeros((1, 4, 0, 2), np.int32), np.zeros((1, 4, 0, 2), np.int32),
+                                np.ones((1, 4), bool), loss_mask)
+    assert _nan(none["routing_disagreement"]) and np.asarray(none["routing_disagreement_per_layer"]).shape == (0,)
+
+
+def test_masked_mean_empty_is_nan_with_a_finite_gradient():
+    x = np.array([1.0, np.inf, 3.0], np.float32)
+    assert float(mm.masked_mean(x, np.array([1, 0, 1]))) == 2.0
+    assert _nan(mm.masked_mean(x, np.zeros(3)))
+    # a loss over no target is NaN, but its gradient is 0, so a step on it cannot poison the weights
+    g = jax.grad(lambda v: mm.masked_mean(v * v, np.zeros(3)))(np.array([1.0, 2.0, 3.0], np.float32))
+    assert np.asarray(g).tolist() == [0.0, 0.0, 0.0]
+    g = jax.grad(lambda v: mm.masked_mean(v * v, np.array([1, 0, 1])))(np.array([1.0, 2.0, 3.0], np.float32))
+    assert np.asarray(g).tolist() == [1.0, 0.0, 3.0]
 
 
 def test_route_sets_ignore_order_and_dtype():
@@ -67,19 +102,23 @@ def test_predicting_mask_never_crosses_packed_segments():
     assert np.asarray(mm.predicting_mask(loss_mask)).tolist() == [[True, True, False, True, False]]
 
 
-def test_used_routes_versus_live_routes():
+def test_reported_disagreement_is_the_routers_own():
+    # the routes a replaying trainer uses are the rollout's wherever a row exists, so only the
+    # router's own (live) top-k is compared, and no used-vs-rollout metric is reported
     rollout = np.zeros((1, 3, 1, 2), np.int32)
     rollout[..., 1] = 1
     live = rollout.copy()
     live[0, 0, 0] = [2, 3]
-    kw = dict(train_logprobs=np.zeros((1, 3)), rollout_logprobs=np.zeros((1, 3)),
-              loss_mask=np.array([[0, 1, 1]]), live_routes=live, rollout_routes=rollout,
-              route_mask=np.ones((1, 3), bool))
-    replayed = mismatch_metrics(**kw, used_routes=rollout)
-    assert float(replayed["routing_disagreement"]) == 0.0
-    assert float(replayed["live_routing_disagreement"]) == 0.5
-    live_only = mismatch_metrics(**kw)
-    assert float(live_only["routing_disagreement"]) == float(live_only["live_routing_disagreement"]) == 0.5
+    out = mismatch_metrics(train_logprobs=np.zeros((1, 3)), rollout_logprobs=np.zeros((1, 3)),
+                           loss_mask=np.array([[0, 1, 1]]), live_routes=live, rollout_routes=rollout,
+                           route_mask=np.ones((1, 3), bool))
+    assert float(out["live_routing_disagreement"]) == 0.5
+    assert float(out["live_token_any_disagreement"]) == 0.5
+    assert [k for k in out if "disagreement" in k and not k.startswith("live_")] == []
+    with pytest.raises(TypeError, match="used_routes"):
+        mm.mismatch_metrics(train_logprobs=np.zeros((1, 3)), rollout_logprobs=np.zeros((1, 3)),
+                            loss_mask=np.array([[0, 1, 1]]), live_routes=live, rollout_routes=rollout,
+                            route_mask=np.ones((1, 3), bool), used_routes=rollout)
 
 
 def test_collapse_detector_on_synthetic_curves():

@@ -7,6 +7,7 @@ import shutil
 import numpy as np
 
 from r3jax.demo import main
+from r3jax.demo.report import COLUMNS, summarize, table
 
 SMALL = ["--steps", "2", "--prompts", "2", "--samples", "2", "--warmup-steps", "2", "--max-turns", "2",
          "--max-tokens", "3", "--max-seq-len", "64", "--save-every", "1", "--no-progress", "--seeds", "1"]
@@ -21,7 +22,8 @@ def test_in_process_run_writes_outputs_and_resumes(tmp_path, capsys):
     main(SMALL + ["--in-process", "--replay", "rollout", "--out", str(out)])
     recs = _records(out / "rollout" / "seed0" / "metrics.jsonl")
     assert [r["step"] for r in recs] == [1, 2]
-    assert all(r["routing_disagreement"] == 0.0 for r in recs)  # replay uses exactly the rollout's experts
+    assert all(r["fallback_fraction"] == 0.0 for r in recs)  # every target's predicting row was captured
+    assert all(0.0 <= r["live_routing_disagreement"] <= 1.0 for r in recs)  # measured: routes were captured
     assert all(r["route_rows"] > 0 and r["route_bytes"] > 0 for r in recs)
     assert sorted(int(p.name) for p in (out / "rollout" / "seed0" / "ckpt").iterdir() if p.name.isdigit()) == [1, 2]
     assert (out / "demo.png").stat().st_size > 10_000
@@ -63,10 +65,26 @@ def test_server_run_with_and_without_replay_over_seeds(tmp_path, capsys):
             assert np.isfinite(mean) and np.isfinite(half) and half >= 0.0, (key, r[key])
         lo, hi = min(r["reward_last_per_seed"]), max(r["reward_last_per_seed"])
         assert lo <= r["reward_last"][0] <= hi
-    assert runs[0]["routing_disagreement"][0] == 0.0
+    for r in runs:  # the router's own disagreement is reported; the replayed (forced) routes are not
+        assert np.isfinite(r["live_routing_disagreement"][0]) and "routing_disagreement" not in r
     effect = summary["replay_effect"]
     assert effect["seeds"] == [3, 4] and len(effect["per_seed"]) == 2
     assert np.isclose(effect["replay_minus_none"], np.mean(effect["per_seed"]))
     assert np.isclose(effect["ci95"], 12.706 * np.std(effect["per_seed"], ddof=1) / np.sqrt(2))
     printed = capsys.readouterr().out
     assert f"{effect['replay_minus_none']:+.4f} ± {effect['ci95']:.4f} (95% CI, 2 paired seeds)" in printed
+
+
+def test_unmeasured_metric_is_absent_and_prints_na():
+    """A run whose steps captured no route has NaN disagreement in its log: the summary leaves it
+    out (None), never 0, and the table prints n/a; steps that did measure it are averaged alone."""
+    def recs(dis):
+        return [{"reward": 0.5, "route_bytes": 0, "k3_kl": 1e-3, "live_routing_disagreement": d} for d in dis]
+    nan = float("nan")
+    rows = summarize({"rollout": {0: recs([nan, nan]), 1: recs([nan, nan])},
+                      "none": {0: recs([0.25, nan]), 1: recs([nan, 0.75])}})
+    assert rows[0]["live_routing_disagreement"] is None
+    assert rows[1]["live_routing_disagreement"][0] == 0.5
+    line = table(rows[:1], COLUMNS).splitlines()[-1].split(" | ")
+    assert line[COLUMNS.index("live_routing_disagreement")] == "n/a"
+    assert line[COLUMNS.index("seeds")] == "[0, 1]" and line[COLUMNS.index("k3_kl")] == "0.001 ± 0"

@@ -2,8 +2,8 @@
 routes lowers the train-inference mismatch (k3 KL and mean |Δ logprob|), and the trainer's own
 router really disagrees with the rollout's, so there was something to fix.
 
-``routing_disagreement == 0`` under replay holds by construction (the trainer uses the replayed ids);
-it stays here only as a sanity check. The assertions that can fail are the logprob ones.
+Under replay the experts used are the replayed ids, so comparing them with the rollout's would hold
+by construction; the routing metric asserted here is the router's own (live) disagreement.
 """
 
 import jax
@@ -73,9 +73,7 @@ def test_replay_lowers_the_mismatch_of_bf16_rollouts():
 
     # there was something to fix: the fp32 trainer's router picks other experts than the bf16 engine's
     assert live["live_routing_disagreement"] > 0.01, live
-    assert live["routing_disagreement"] == live["live_routing_disagreement"]
-    assert replay["live_routing_disagreement"] > 0.0, replay  # the router still disagrees under replay...
-    assert replay["routing_disagreement"] == 0.0  # ...but the replayed experts are used (by construction)
+    assert replay["live_routing_disagreement"] > 0.0, replay  # the router still disagrees under replay
 
     # what replay is for: the trainer's logprobs move toward the rollout's
     assert replay["k3_kl"] < 0.25 * live["k3_kl"], (live["k3_kl"], replay["k3_kl"])

@@ -24,10 +24,10 @@ def test_replay_with_engine_routes_same_dtype_has_zero_mismatch(tiny, rollout_ba
     m = _np(train.eval_step(state, rollout_batch, replay="rollout"))
     assert m["num_targets"] == 4 * 8
     assert m["fallback_fraction"] == 0.0  # the terminal gap only holds the last sampled token
-    for k in ("routing_disagreement", "token_any_disagreement", "live_routing_disagreement",
-              "live_token_any_disagreement"):
+    # the trainer's own router picks the engine's experts (same weights, same dtype)
+    for k in ("live_routing_disagreement", "live_token_any_disagreement"):
         assert m[k] == 0.0, k
-    assert m["routing_disagreement_per_layer"].tolist() == [0.0] * cfg.num_moe_layers
+    assert m["live_routing_disagreement_per_layer"].tolist() == [0.0] * cfg.num_moe_layers
     assert m["mean_abs_delta"] < 1e-5
     assert m["k3_kl"] < 1e-9
     # the aux term enters the loss with the model's coefficient
@@ -43,12 +43,12 @@ def test_perturbed_trainer_disagrees_without_replay_and_not_with_it(tiny, rollou
     state = state.replace(params=jax.tree.unflatten(treedef, [noise(p, k) for p, k in zip(leaves, keys)]))
     off = _np(train.eval_step(state, rollout_batch, replay="none"))
     on = _np(train.eval_step(state, rollout_batch, replay="rollout"))
-    assert off["routing_disagreement"] > 0.0
-    assert off["token_any_disagreement"] > 0.0
-    assert off["routing_disagreement"] == off["live_routing_disagreement"]  # live routing: same thing
-    assert on["routing_disagreement"] == 0.0
-    assert on["token_any_disagreement"] == 0.0
-    assert on["routing_disagreement_per_layer"].tolist() == [0.0, 0.0]
+    assert off["live_routing_disagreement"] > 0.0
+    assert off["live_token_any_disagreement"] > 0.0
+    # under replay the reported disagreement is still the router's own: the first MoE layer's input
+    # does not depend on any routing, so its router disagrees exactly as much as without replay
+    first = off["live_routing_disagreement_per_layer"][0]
+    assert first > 0.0 and on["live_routing_disagreement_per_layer"][0] == first
     assert off["mean_abs_delta"] > 1e-4  # the perturbation is visible in the logprobs too
 
 
@@ -89,7 +89,7 @@ def test_padding_and_uncaptured_rows_change_neither_loss_nor_aux(tiny, rollout_b
     assert not np.array_equal(dirty.routes, rollout_batch.routes)
     clean_m = _np(train.eval_step(state, rollout_batch, replay="rollout"))
     dirty_m = _np(train.eval_step(state, dirty, replay="rollout"))
-    for k in ("loss", "pg_loss", "aux_loss", "mean_abs_delta", "routing_disagreement"):
+    for k in ("loss", "pg_loss", "aux_loss", "mean_abs_delta", "live_routing_disagreement"):
         np.testing.assert_allclose(dirty_m[k], clean_m[k], rtol=1e-6, atol=1e-7, err_msg=k)
 
     # The aux loss is over real, *captured* tokens: change the (uncaptured) terminal token of each
@@ -123,7 +123,30 @@ def test_packed_layout_matches_padded(tiny, rollout_trajs, tx):
     a, b = _np(train.eval_step(state, padded)), _np(train.eval_step(state, packed))
     for k in ("loss", "pg_loss", "aux_loss", "mean_abs_delta", "k3_kl", "num_targets"):
         np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-7, err_msg=k)
-    assert b["routing_disagreement"] == 0.0 and b["fallback_fraction"] == 0.0
+    assert b["live_routing_disagreement"] == 0.0 and b["fallback_fraction"] == 0.0
+
+
+def test_no_captured_route_reads_nan_not_zero_disagreement(tiny, rollout_batch, tx):
+    """A batch whose rollouts captured no route row: routing disagreement is NaN (nothing was
+    compared), every target fell back to live routing, and the logprob metrics are still measured."""
+    _, model = tiny
+    state = train.init_train_state(model, tx)
+    bare = dataclasses.replace(rollout_batch, route_mask=np.zeros_like(np.asarray(rollout_batch.route_mask)))
+    m = _np(train.eval_step(state, bare, replay="rollout"))
+    assert np.isnan(m["live_routing_disagreement"]) and np.isnan(m["live_token_any_disagreement"])
+    assert np.isnan(m["live_routing_disagreement_per_layer"]).all()
+    assert m["fallback_fraction"] == 1.0
+    assert np.isfinite(m["mean_abs_delta"]) and np.isfinite(m["loss"])
+
+
+def test_aux_coefficient_is_explicit_or_the_models():
+    from models import MoeConfig
+
+    assert train.loss.aux_coefficient(train.LossConfig(), MoeConfig.tiny(router_aux_loss_coef=0.03)) == 0.03
+    assert train.loss.aux_coefficient(train.LossConfig(aux_coef=0.0), None) == 0.0
+    with pytest.raises(ValueError, match=r"LossConfig.aux_coef=None: expected a float >= 0 \(the model config "
+                                         r"NoneType has no router_aux_loss_coef"):
+        train.loss.aux_coefficient(train.LossConfig(), None)
 
 
 def test_reference_kl_enters_the_loss(tiny, rollout_batch, tx):
