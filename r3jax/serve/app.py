@@ -24,11 +24,14 @@ JSON has ``routed_experts: null`` and ``routed_experts_binary``: the frame's byt
 on the wire then equal the raw array plus a small header (no base64).
 
 **Errors.** Bad input is a 4xx with ``{"error": "invalid_request", "field": ..., "detail": ...}``:
-400 body not JSON, 413 body over ``max_body_bytes``, 422 a field of the wrong type or value, 401 a
+400 body not JSON, 413 body over ``max_body_bytes``, 422 a field of the wrong type or value (a string
+that is not valid Unicode, e.g. a lone ``"\\ud800"``, included; every number within the engine's
+int32 / float32 limits, so one bad request can never fail the others decoding beside it), 401 a
 missing or wrong ``Authorization: Bearer <api_key>`` on ``/v1/*`` when ``api_key`` is set. 503
 (with ``Retry-After`` and ``"retryable": true``) for requests not served for a reason a retry fixes:
 shutting down, too many queued, or a weight update with ``abort_in_flight`` stopped it mid-way.
-A client that disconnects cancels its request (its decode slot is freed at once).
+A client that disconnects cancels its request (its decode slot is freed at once). Every answer carries
+``X-Weight-Version``: a generate answer the version that produced it, any other the current one.
 """
 
 from __future__ import annotations

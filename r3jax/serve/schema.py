@@ -2,6 +2,7 @@
 
 Two stages, so every rejection names its field:
 
+0. :func:`load_json` (shared with the peers' endpoints): JSON whose every string is valid Unicode.
 1. :class:`GenerateBody` (pydantic, strict, no extra fields) checks types: ints are ints (not bools,
    not floats), floats are finite numbers, lists are lists. It is also the OpenAPI schema.
 2. :func:`to_request` checks values against the served model (:class:`Limits`): token ids in
