@@ -32,7 +32,12 @@ __all__ = ["ARCHITECTURES", "config_from_hf", "config_to_hf", "family_of", "load
 
 
 def _family_of_hf(hf: Mapping) -> Family:
-    archs = list(hf.get("architectures") or [])
+    if not isinstance(hf, Mapping):  # e.g. a config.json holding [] or a string
+        raise ValueError(f"config.json is a JSON {type(hf).__name__}: expected an object")
+    archs = hf.get("architectures") or []
+    if not isinstance(archs, (list, tuple)) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"config.json architectures={archs!r}: expected a list of names")
+    archs = list(archs)
     for f in FAMILIES:
         if f.architecture in archs:
             return f

@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from typing import Sequence
 
 import numpy as np
 
 from r3jax.checks import (DEFAULT_LOGPROBS_MODE, LOGPROBS_MODES, FieldError, check_int, check_logprobs_mode,
-                          check_prompt_start, is_int)
+                          check_prompt_start, check_real, check_seed, check_top_k, is_int)
 
 __all__ = ["DEFAULT_LOGPROBS_MODE", "LOGPROBS_MODES", "GenerateOutput", "GenerateRequest", "check_logprobs_mode"]
-
-_SEED_LIMIT = 1 << 64  # seeds become a 64-bit PRNG key (two uint32 words)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +69,13 @@ class GenerateRequest:
             raise FieldError("max_tokens", self.max_tokens, f"prompt length + max_tokens <= max_seq_len={max_seq_len}",
                              f"max_tokens={self.max_tokens}: prompt length {p} + max_tokens = "
                              f"{p + self.max_tokens}, expected <= max_seq_len={max_seq_len}")
-        _real_field("temperature", self.temperature, lo=0.0, lo_open=False, hi=math.inf)
-        _real_field("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
-        check_int("top_k", self.top_k, lo=0)
+        # every number below lands in an int32 / float32 device array shared by the whole decode batch:
+        # one that does not fit must be refused here, or it fails every request decoding beside it
+        check_real("temperature", self.temperature, 0.0, math.inf)
+        check_real("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        check_top_k("top_k", self.top_k, vocab_size)
         if self.seed is not None:
-            check_int("seed", self.seed, lo=0, hi=_SEED_LIMIT - 1)
+            check_seed("seed", self.seed)
         stops = _token_array("stop_token_ids", self.stop_token_ids, vocab_size)
         if max_stop_tokens is not None and stops.size > max_stop_tokens:
             raise FieldError("stop_token_ids", list(self.stop_token_ids), f"at most {max_stop_tokens} ids",
@@ -113,14 +112,6 @@ class GenerateOutput:
     cached_tokens: int
     weight_version: int
     routed_experts_start: int
-
-
-def _real_field(name, value, *, lo, lo_open, hi):
-    ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-    ok = ok and math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi
-    if not ok:
-        bracket = "(" if lo_open else "["
-        raise FieldError(name, value, f"a finite number in {bracket}{lo}, {hi}]")
 
 
 def _token_array(name, value, vocab_size) -> np.ndarray:

@@ -25,11 +25,14 @@ JSON has ``routed_experts: null`` and ``routed_experts_binary``: the frame's byt
 on the wire then equal the raw array plus a small header (no base64).
 
 **Errors.** Bad input is a 4xx with ``{"error": "invalid_request", "field": ..., "detail": ...}``:
-400 body not JSON, 413 body over ``max_body_bytes``, 422 a field of the wrong type or value, 401 a
+400 body not JSON, 413 body over ``max_body_bytes``, 422 a field of the wrong type or value (a string
+that is not valid Unicode, e.g. a lone ``"\\ud800"``, included; every number within the engine's
+int32 / float32 limits, so one bad request can never fail the others decoding beside it), 401 a
 missing or wrong ``Authorization: Bearer <api_key>`` on ``/v1/*`` when ``api_key`` is set. 503
 (with ``Retry-After`` and ``"retryable": true``) for requests not served for a reason a retry fixes:
 shutting down, too many queued, or a weight update with ``abort_in_flight`` stopped it mid-way.
-A client that disconnects cancels its request (its decode slot is freed at once).
+A client that disconnects cancels its request (its decode slot is freed at once). Every answer carries
+``X-Weight-Version``: a generate answer the version that produced it, any other the current one.
 """
 
 from __future__ import annotations
@@ -50,12 +53,13 @@ from r3jax.checks import FieldError
 from r3jax.serve import schema
 from r3jax.serve.batcher import EngineBridge
 from r3jax.serve.dispatch import Disconnected, ServeContext, Unavailable
-from r3jax.serve.peer_app import add_peer_endpoints
+from r3jax.serve.peer_app import add_peer_endpoints, with_version
 from r3jax.serve.protocol import BINARY_MEDIA_TYPE
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 RETRY_AFTER = {"Retry-After": "1"}
 OPEN_PATHS = frozenset({"/health", "/openapi.json"})  # liveness and the schema need no token
+VERSION_HEADER = b"x-weight-version"
 log = logging.getLogger("r3jax.serve")
 
 
@@ -73,14 +77,18 @@ class Guard:
     """ASGI middleware: bearer-token check on every path but ``OPEN_PATHS`` (when a token is set:
     r3jax's ``/v1/*`` and every peer endpoint), then the body buffered
     up to ``limit`` bytes (413 beyond it, by ``Content-Length`` or by counting a streamed body), so
-    the app never holds more than ``limit`` bytes of one request."""
+    the app never holds more than ``limit`` bytes of one request. ``version()``: the engine's weight
+    version, put in ``X-Weight-Version`` on every answer that does not carry its own (a generate
+    answer carries the version that produced it; errors, 401 and 413 the current one)."""
 
-    def __init__(self, app, limit: int, token: bytes | None = None):
-        self.app, self.limit, self.token = app, limit, token
+    def __init__(self, app, limit: int, token: bytes | None = None, version: Callable[[], int] | None = None):
+        self.app, self.limit, self.token, self.version = app, limit, token, version
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.version is not None:
+            send = self._versioned(send)
         headers = dict(scope.get("headers") or [])
         if self.token is not None and scope["path"] not in OPEN_PATHS:
             # compare_digest: the time taken does not depend on how much of the token matched
@@ -115,6 +123,16 @@ class Guard:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    def _versioned(self, send):
+        async def versioned_send(message):
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers") or [])
+                if not any(k.lower() == VERSION_HEADER for k, _ in headers):
+                    headers.append((VERSION_HEADER, str(int(self.version())).encode()))
+                    message = {**message, "headers": headers}
+            await send(message)
+        return versioned_send
 
 
 def _response(out, layers: list[int], binary: bool) -> tuple[Response, int]:
@@ -213,7 +231,7 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
                   description=__doc__, docs_url=None, redoc_url=None)
     app.state.engine, app.state.batcher, app.state.ready = engine, bridge, ready
 
-    app.add_middleware(Guard, limit=max_body_bytes, token=token)
+    app.add_middleware(Guard, limit=max_body_bytes, token=token, version=lambda: engine.weight_version)
 
     @app.exception_handler(schema.InputError)
     async def input_error(request, err: schema.InputError):
@@ -260,7 +278,8 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
         except FieldError as e:  # the engine refused it: still the client's input
             raise schema.InputError(_body_field(e.field), e.message) from None
         binary = BINARY_MEDIA_TYPE in request.headers.get("accept", "")
-        return await ctx.render("r3jax", out, lambda: _response(out, layers, binary))
+        response = await ctx.render("r3jax", out, lambda: _response(out, layers, binary))
+        return with_version(response, out.weight_version)  # the weights that produced this answer
 
     @app.post("/v1/weights", openapi_extra=_body_schema("WeightsBody"))
     async def weights(request: Request):

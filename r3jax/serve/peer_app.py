@@ -25,11 +25,12 @@ from typing import Any, Callable, Mapping
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from r3jax.checks import FieldError
+from r3jax.checks import FieldError, check_text
 from r3jax.serve.dispatch import Disconnected, ServeContext, Unavailable
 from r3jax.serve.peers import sglang, skyrl, vllm
 from r3jax.serve.peers import openapi as peer_openapi
 from r3jax.serve.peers.common import token_ids
+from r3jax.serve.schema import load_json
 
 # engine request fields (GenerateRequest) -> the field each peer calls them
 _ENGINE_FIELDS = {
@@ -39,6 +40,7 @@ _ENGINE_FIELDS = {
                "seed": "sampling_params.sampling_seed", "routed_experts_prompt_start": "routed_experts_start_len",
                "return_logprobs": "return_logprob", "session_id": "rid", "*": "sampling_params.{}"},
 }
+VERSION_HEADER = "X-Weight-Version"
 NO_TOKENIZER = "this server has no tokenizer: start it with --tokenizer"
 _ERRORS = {"skyrl": skyrl.error_response, "vllm": vllm.error_response, "sglang": sglang.error_response}
 
@@ -50,6 +52,12 @@ def _peer_field(peer: str, err: FieldError) -> FieldError:
     head, rest = field[:cut], field[cut:]
     renamed = table.get(head) or table["*"].format(head)
     return FieldError(renamed + rest, err.value, err.expected, err.message.replace(field, renamed + rest, 1))
+
+
+def with_version(response: Response, version: int) -> Response:
+    """``response`` carrying ``X-Weight-Version: version``, the weights that produced it."""
+    response.headers[VERSION_HEADER] = str(int(version))
+    return response
 
 
 def _json_response(obj: Any, status: int = 200, headers: Mapping | None = None, raw: bytes | None = None) -> Response:
@@ -69,10 +77,8 @@ def _unavailable(peer: str, detail: str) -> Response:
 
 
 def _load(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):
-        raise FieldError("body", raw[:40].decode("utf-8", "replace"), "a JSON object") from None
+    """The body as JSON with valid Unicode strings (:func:`r3jax.serve.schema.load_json`), or FieldError."""
+    return load_json(raw)
 
 
 def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_seq_len: int, num_experts: int,
@@ -95,9 +101,7 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
     def encode_text(field: str, text: Any) -> list[int]:
         if tokenizer is None:
             raise FieldError(field, text, f"token ids ({NO_TOKENIZER})")
-        if not isinstance(text, str):
-            raise FieldError(field, text, "a string")
-        return list(tokenizer.encode(text))
+        return list(tokenizer.encode(check_text(field, text)))
 
     async def run(peer: str, request: Request, parse: Callable[[Any, Request], Any],
                   render: Callable[[Any, Any, Any], tuple[Response, int]]) -> Response:
@@ -115,8 +119,7 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
         except Disconnected:
             return Response(status_code=499)
         response = await ctx.render(peer, out, lambda: render(body, req, out))
-        response.headers["X-Weight-Version"] = str(int(out.weight_version))
-        return response
+        return with_version(response, out.weight_version)  # the answer's own (errors: the app's Guard)
 
     # ---- SkyRL ------------------------------------------------------------------------------------
     def skyrl_route(path: str, routes: bool):

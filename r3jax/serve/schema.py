@@ -2,6 +2,7 @@
 
 Two stages, so every rejection names its field:
 
+0. :func:`load_json` (shared with the peers' endpoints): JSON whose every string is valid Unicode.
 1. :class:`GenerateBody` (pydantic, strict, no extra fields) checks types: ints are ints (not bools,
    not floats), floats are finite numbers, lists are lists. It is also the OpenAPI schema.
 2. :func:`to_request` checks values against the served model (:class:`Limits`): token ids in
@@ -26,7 +27,7 @@ from r3jax import checks
 from r3jax import routes as routes_lib
 from r3jax.checks import FieldError
 
-MAX_SEED = 2**64 - 1  # the engine turns a seed into a 64-bit PRNG key
+MAX_SEED = checks.SEED_MAX  # the engine turns a seed into a 64-bit PRNG key
 MAX_STOP_TOKENS = 64
 MAX_SESSION_ID = 256
 
@@ -146,6 +147,8 @@ def _get(obj: Any, loc: tuple) -> Any:
 
 
 def _short(value: Any) -> str:
+    if checks.nests_deeper(value, 8):  # json.dumps recurses per level: a deep list would overflow the stack
+        return checks.short(value)
     try:
         text = json.dumps(value)  # show the value as the client wrote it (true, null)
     except (TypeError, ValueError):
@@ -153,13 +156,26 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def parse_json(raw: bytes, model: type[BaseModel]) -> BaseModel:
-    """Bytes → validated ``model``; raises :class:`InputError` naming the first offending field."""
+def load_json(raw: bytes, status: int = 400) -> Any:
+    """Request bytes as a JSON value whose every string is valid Unicode (a lone surrogate such as
+    ``"\\ud800"`` is legal JSON but no tokenizer or UTF-8 codec takes it). Raises
+    :class:`r3jax.checks.FieldError` (field ``body``) when it is not JSON, or naming the string's field."""
     try:
         obj = json.loads(raw)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         msg = getattr(e, "msg", None) or type(e).__name__
-        raise InputError("body", f"body is not valid JSON ({msg})", 400) from None
+        raise FieldError("body", None, "a JSON body", f"body is not valid JSON ({msg})") from None
+    if checks.json_may_hold_surrogates(raw):
+        checks.check_json_text(obj)
+    return obj
+
+
+def parse_json(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    """Bytes → validated ``model``; raises :class:`InputError` naming the first offending field."""
+    try:
+        obj = load_json(raw)
+    except FieldError as e:
+        raise InputError.of(e, 400 if e.field == "body" else 422) from None
     if not isinstance(obj, dict):
         raise InputError("body", f"body is a JSON {type(obj).__name__}: expected an object", 422)
     try:
@@ -213,14 +229,14 @@ def to_request(body: GenerateBody, limits: Limits):
                              f"[0, vocab_size={vocab})")
     _in_range("sampling_params.max_tokens", sp.max_tokens, 1, max_len - len(prompt),
               f" (max_seq_len {max_len} - prompt length {len(prompt)})")
-    if not sp.temperature >= 0:
-        raise InputError("sampling_params.temperature",
-                         f"sampling_params.temperature={sp.temperature}: expected >= 0")
-    if not 0 < sp.top_p <= 1:
-        raise InputError("sampling_params.top_p", f"sampling_params.top_p={sp.top_p}: expected in (0, 1]")
-    _in_range("sampling_params.top_k", sp.top_k, 0, vocab, " (0 turns top-k off)")
-    if sp.seed is not None:
-        _in_range("sampling_params.seed", sp.seed, 0, MAX_SEED)
+    try:  # the rules every protocol shares: the engine's int32 / float32 limits
+        checks.check_real("sampling_params.temperature", sp.temperature, 0.0, float("inf"))
+        checks.check_real("sampling_params.top_p", sp.top_p, 0.0, 1.0, lo_open=True)
+        checks.check_top_k("sampling_params.top_k", sp.top_k, vocab)
+        if sp.seed is not None:
+            checks.check_seed("sampling_params.seed", sp.seed)
+    except FieldError as e:
+        raise InputError.of(e) from None
     if len(sp.stop_token_ids) > MAX_STOP_TOKENS:
         raise InputError("sampling_params.stop_token_ids", f"sampling_params.stop_token_ids has "
                          f"{len(sp.stop_token_ids)} ids: expected at most {MAX_STOP_TOKENS}")

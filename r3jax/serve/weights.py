@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
+from r3jax.checks import is_int
 from r3jax.serve.schema import InputError
 
 # Fields that do not change the parameters or the forward pass a client sees.
@@ -75,6 +77,84 @@ def template(cfg):
     return nnx.merge(graphdef, jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype)), state))
 
 
+# safetensors dtype names -> bytes per element (the sub-byte and exotic ones are left to the reader)
+_ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
+               "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_MAX_HEADER = 100_000_000  # the safetensors reader's own limit
+
+
+def check_hf_files(path: Path) -> None:
+    """Refuse a Hugging Face directory whose files cannot be loaded, before anything is read in
+    bulk or the engine is touched: ``config.json`` must be a JSON object, and each ``.safetensors``
+    file the loader opens must have a well-formed header (8-byte length, a JSON object of tensors
+    whose byte ranges lie inside the file and match their shape and dtype). Raises InputError
+    (field ``path``) naming the file and what is wrong with it."""
+    from models.hf.io import INDEX, SINGLE
+
+    def bad(file: Path, why: str) -> InputError:
+        return InputError("path", f"path={str(path)!r}: {file.name}: {why}")
+
+    config = path / "config.json"
+    try:
+        obj = json.loads(config.read_bytes())
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise bad(config, f"not valid JSON ({getattr(e, 'msg', None) or type(e).__name__})") from None
+    if not isinstance(obj, dict):
+        raise bad(config, f"a JSON {type(obj).__name__}: expected an object")
+    if (path / INDEX).is_file():
+        try:
+            index = json.loads((path / INDEX).read_bytes())
+            files = sorted(set(index["weight_map"].values()))
+        except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
+            raise bad(path / INDEX, "expected a JSON object with a weight_map of tensor name -> file") from None
+        if not all(isinstance(f, str) for f in files):
+            raise bad(path / INDEX, "weight_map values must be file names")
+    elif (path / SINGLE).is_file():
+        files = [SINGLE]
+    else:
+        files = sorted(f.name for f in path.glob("*.safetensors"))
+    for name in files:
+        _check_safetensors_header(path / name, bad)
+
+
+def _check_safetensors_header(file: Path, bad) -> None:
+    if not file.is_file():
+        raise bad(file, "listed in the index but not found")
+    size = file.stat().st_size
+    if size < 8:
+        raise bad(file, f"{size} bytes: expected a safetensors file (an 8-byte header length first)")
+    with file.open("rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if not 2 <= n <= min(size - 8, _MAX_HEADER):
+            raise bad(file, f"header length {n} in a {size}-byte file: not a safetensors file")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise bad(file, "header is not JSON: not a safetensors file") from None
+    if not isinstance(header, dict):
+        raise bad(file, "header is not a JSON object: not a safetensors file")
+    data = size - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"tensor {name!r}"
+        if not isinstance(info, dict):
+            raise bad(file, f"{where}: expected {{dtype, shape, data_offsets}}")
+        shape, offsets, dtype = info.get("shape"), info.get("data_offsets"), info.get("dtype")
+        if not (isinstance(shape, list) and all(is_int(d) and d >= 0 for d in shape)):
+            raise bad(file, f"{where}: shape={shape!r}: expected a list of sizes >= 0")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(o) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data):
+            raise bad(file, f"{where}: data_offsets={offsets!r}: expected [begin, end] within the "
+                            f"file's {data} data bytes (truncated file?)")
+        if not isinstance(dtype, str):
+            raise bad(file, f"{where}: dtype={dtype!r}: expected a safetensors dtype name")
+        if dtype in _ITEM_BYTES and offsets[1] - offsets[0] != math.prod(shape) * _ITEM_BYTES[dtype]:
+            raise bad(file, f"{where}: {offsets[1] - offsets[0]} bytes for {dtype}{shape}: expected "
+                            f"{math.prod(shape) * _ITEM_BYTES[dtype]}")
+
+
 def config_mismatch(got, want) -> list[str]:
     """Fields (other than dtypes and kernels) where config ``got`` differs from ``want``."""
     return [f"{f.name}: {getattr(got, f.name)!r} != served {getattr(want, f.name)!r}"
@@ -85,8 +165,9 @@ def config_mismatch(got, want) -> list[str]:
 def load_state(path: str, fmt: str, engine: Any):
     """``POST /v1/weights``: the params (``nnx.State``) at ``path`` for the engine's model config.
 
-    Raises :class:`InputError` (field ``path``) for a missing directory or a checkpoint of another
-    shape; other load errors propagate and the app reports them as 422 too.
+    Raises :class:`InputError` (field ``path``) for a missing directory, unreadable files (checked
+    by :func:`check_hf_files` first) or a checkpoint of another shape; other load errors (ValueError,
+    OSError) propagate and the app reports them as 422 too. Nothing here touches the engine.
     """
     import jax
     import numpy as np
@@ -103,7 +184,13 @@ def load_state(path: str, fmt: str, engine: Any):
         if not is_hf_dir(p):
             raise InputError("path", f"path={path!r}: expected config.json and *.safetensors (format "
                              "'safetensors')")
-        got, model = load_pretrained(p, dtype=cfg.dtype, param_dtype=cfg.param_dtype, moe_impl=cfg.moe_impl)
+        check_hf_files(p)
+        from safetensors import SafetensorError
+
+        try:
+            got, model = load_pretrained(p, dtype=cfg.dtype, param_dtype=cfg.param_dtype, moe_impl=cfg.moe_impl)
+        except SafetensorError as e:  # a file damaged past what check_hf_files reads (tensor bytes)
+            raise InputError("path", f"path={path!r}: unreadable safetensors file ({e})") from None
         diff = config_mismatch(got, cfg)
         if diff:
             raise InputError("path", f"path={path!r}: the checkpoint's config differs from the served "

@@ -16,12 +16,14 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from r3jax import checks
 from r3jax.checks import FieldError, check_int, check_route_ids, is_int
 from r3jax.routes import route_dtype
 from r3jax.serve.protocol import ProtocolError
 
 CLAMPED_LOGPROB = -9999.0  # the floor vLLM and SkyRL put on a missing or non-finite sampled logprob
 UNKNOWN_VERSION = -1  # weight_version of an output whose peer protocol does not report one
+UNKNOWN_COUNT = -1  # cached_tokens of an output whose peer did not report it (never read as 0)
 
 
 def mapping(field: str, value: Any) -> Mapping[str, Any]:
@@ -58,14 +60,8 @@ def _same(value: Any, allowed: Any) -> bool:
 
 
 def token_ids(field: str, value: Any, vocab_size: int | None, allow_empty: bool = False) -> list[int]:
-    """A JSON list of int token ids, each in ``[0, vocab_size)`` when V is known."""
-    if not isinstance(value, (list, tuple)):
-        raise FieldError(field, value, "a list of int token ids")
-    hi = None if vocab_size is None else vocab_size - 1
-    out = [check_int(f"{field}[{i}]", t, 0, hi) for i, t in enumerate(value)]
-    if not out and not allow_empty:
-        raise FieldError(field, value, "at least one token id")
-    return out
+    """A JSON list of int token ids, each in ``[0, vocab_size)`` (int32 when V is not known)."""
+    return checks.check_token_ids(field, value, vocab_size, allow_empty)
 
 
 def stop_ids(field: str, value: Any, vocab_size: int | None) -> tuple[int, ...]:
@@ -74,15 +70,8 @@ def stop_ids(field: str, value: Any, vocab_size: int | None) -> tuple[int, ...]:
 
 
 def real(field: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> float:
-    """A finite number (not a bool) in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-    try:
-        ok = ok and math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi
-    except OverflowError:  # an int beyond float range, e.g. 10**400
-        ok = False
-    if not ok:
-        raise FieldError(field, value, f"a finite number in {'(' if lo_open else '['}{lo}, {hi}]")
-    return float(value)
+    """A finite number (not a bool) in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``) within float32."""
+    return checks.check_real(field, value, lo, hi, lo_open)
 
 
 def flag(field: str, value: Any) -> bool:
@@ -100,7 +89,7 @@ def max_tokens(field: str, value: Any, prompt_len: int, max_seq_len: int | None)
         if max_seq_len is None or max_seq_len - prompt_len < 1:
             raise FieldError(field, value, "an int >= 1 (null needs room left in max_seq_len)")
         return max_seq_len - prompt_len
-    hi = None if max_seq_len is None else max(max_seq_len - prompt_len, 0)
+    hi = checks.INT32_MAX if max_seq_len is None else max(max_seq_len - prompt_len, 0)
     if hi == 0:
         raise FieldError(field, value, f"room for one new token: the prompt has {prompt_len} tokens and "
                                        f"max_seq_len={max_seq_len}")
@@ -111,7 +100,14 @@ def seed(field: str, value: Any, minus_one_unset: bool = False) -> int | None:
     """A sampling seed in ``[0, 2**64)`` or None; with ``minus_one_unset`` -1 also means no seed (vLLM)."""
     if value is None or (minus_one_unset and is_int(value) and value == -1):
         return None
-    return check_int(field, value, 0, 2**64 - 1)
+    return checks.check_seed(field, value)
+
+
+def top_k(field: str, value: Any, vocab_size: int | None, off: tuple = (None,)) -> int:
+    """``top_k`` as the engine takes it (0: off): the peer's "off" values (``off``) or 0 / ``[1, V]``."""
+    if any(value is o or (is_int(value) and is_int(o) and value == o) for o in off):
+        return 0
+    return checks.check_top_k(field, value, vocab_size)
 
 
 def clamp_logprob(x: float) -> float:

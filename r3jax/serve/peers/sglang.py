@@ -98,8 +98,9 @@ def parse_generate(body: Any, *, vocab_size: int | None = None, max_seq_len: int
         raise FieldError("rid", body["rid"], "a string or null")
     mt = sp.get("max_new_tokens", 128)
     temperature, top_p, top_k = sp.get("temperature"), sp.get("top_p"), sp.get("top_k")
-    if top_k is not None and top_k != -1:
+    if top_k is not None and top_k != -1:  # SGLang's "off" is -1; 0 is an error there
         check_int("sampling_params.top_k", top_k, 1)
+    top_k = common.top_k("sampling_params.top_k", top_k, vocab_size, off=(None, -1))
     mode = sp.get("logprobs_mode")
     mode = check_logprobs_mode(DEFAULT_LOGPROBS_MODE if mode is None else mode, "sampling_params.logprobs_mode")
     return GenerateRequest(
@@ -108,7 +109,7 @@ def parse_generate(body: Any, *, vocab_size: int | None = None, max_seq_len: int
         temperature=1.0 if temperature is None else common.real("sampling_params.temperature", temperature,
                                                                 0.0, float("inf")),
         top_p=1.0 if top_p is None else common.real("sampling_params.top_p", top_p, 0.0, 1.0, lo_open=True),
-        top_k=0 if top_k in (None, -1) else int(top_k),
+        top_k=top_k,
         seed=common.seed("sampling_params.sampling_seed", sp.get("sampling_seed")),
         stop_token_ids=common.stop_ids("sampling_params.stop_token_ids", sp.get("stop_token_ids"), vocab_size),
         return_logprobs=flags["return_logprob"], return_routed_experts=flags["return_routed_experts"],

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from r3jax.checks import FieldError, check_int, check_prompt_start, check_route_ids
+from r3jax.checks import FieldError, check_int, check_prompt_start, check_route_ids, is_int
 from r3jax.engine.request import DEFAULT_LOGPROBS_MODE, GenerateOutput, GenerateRequest, check_logprobs_mode
 from r3jax.serve.peers import common
 from r3jax.serve.protocol import ProtocolError, logprobs_mode_field
@@ -65,7 +65,7 @@ def read_sampling(sp: Mapping[str, Any], prefix: str, prompt: list[int], *, voca
         max_tokens=mt,
         temperature=1.0 if temperature is None else common.real(prefix + "temperature", temperature, 0.0, 2.0),
         top_p=1.0 if top_p is None else common.real(prefix + "top_p", top_p, 0.0, 1.0, lo_open=True),
-        top_k=0 if top_k in (None, -1) else check_int(prefix + "top_k", top_k, 0),
+        top_k=common.top_k(prefix + "top_k", top_k, vocab_size, off=(None, -1)),
         seed=common.seed(prefix + "seed", sp.get("seed"), minus_one_unset=True),
         stop_token_ids=common.stop_ids(prefix + "stop_token_ids", sp.get("stop_token_ids"), vocab_size),
         return_logprobs=_logprobs(prefix + "logprobs", sp.get("logprobs"), top_logprobs),
@@ -282,9 +282,22 @@ def parse_completion_response(content: bytes | str | Mapping, request: GenerateR
                                     "--enable-return-routed-experts?)")
             routes = common.route_rows(decode_routes(choice["routed_experts"], num_experts), request, len(ids),
                                        num_experts=num_experts, num_layers=num_layers, top_k=top_k, where=where)
-        details = (obj.get("usage") or {}).get("prompt_tokens_details") or {}
-        cached = details.get("cached_tokens") or 0
+        cached = _cached_tokens(obj.get("usage"), where)
     return GenerateOutput(output_ids=ids, logprobs=lps, finish_reason=common.finish(choice.get("finish_reason"), where),
-                          routed_experts=routes, prompt_tokens=len(request.prompt_ids), cached_tokens=int(cached),
+                          routed_experts=routes, prompt_tokens=len(request.prompt_ids), cached_tokens=cached,
                           weight_version=common.UNKNOWN_VERSION,
                           routed_experts_start=int(request.routed_experts_prompt_start))
+
+
+def _cached_tokens(usage: Any, where: str) -> int:
+    """``usage.prompt_tokens_details.cached_tokens``. vLLM sends ``prompt_tokens_details: null`` unless
+    started with ``--enable-prompt-tokens-details``: then the count is unknown (``UNKNOWN_COUNT``,
+    not 0: nothing says no prompt token was cached). A details object must hold an int >= 0."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, Mapping) else None
+    if details is None:
+        return common.UNKNOWN_COUNT
+    value = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    if not is_int(value) or value < 0:
+        raise ProtocolError(f"{where}: usage.prompt_tokens_details.cached_tokens={value!r}: expected an int >= 0",
+                            "cached_tokens")
+    return int(value)

@@ -70,11 +70,14 @@ def test_max_tokens_below_one_or_not_int(engine, value):
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("temperature", -0.5, r"temperature=-0.5: expected a finite number in \[0.0, inf\]"),
+    ("temperature", -0.5, r"temperature=-0.5: expected a finite number in \[0.0, 3.4e38 \(float32's largest\)\]"),
+    ("temperature", 1e39, r"temperature=1e\+39: expected a finite number in \[0.0, 3.4e38"),
     ("temperature", float("nan"), r"temperature=nan"),
     ("top_p", 0.0, r"top_p=0.0: expected a finite number in \(0.0, 1.0\]"),
     ("top_p", 1.5, r"top_p=1.5"),
-    ("top_k", -1, r"top_k=-1: expected an int >= 0"),
+    ("top_k", -1, r"top_k=-1: expected 0 \(off\) or an int in \[1, vocab_size=272\]"),
+    ("top_k", 2**31, r"top_k=2147483648: expected 0 \(off\) or an int in \[1, vocab_size=272\]"),
+    ("top_k", 273, r"top_k=273"),
     ("seed", -2, r"seed=-2: expected an int in \[0, 18446744073709551615\]"),
     ("seed", 1.5, r"seed=1.5"),
     ("stop_token_ids", [3, 400], r"stop_token_ids\[1\]=400: expected token ids in \[0, vocab_size=272\)"),

@@ -135,6 +135,9 @@ BAD = [  # (raw body or JSON object, status, field)
     (b'{"prompt_ids": [1], "sampling_params": {"top_p": Infinity}}', 422, "sampling_params.top_p"),
     (body(top_p=0.0), 422, "sampling_params.top_p"),
     (body(top_k=-1), 422, "sampling_params.top_k"),
+    (body(top_k=273), 422, "sampling_params.top_k"),
+    (body(top_k=2**31), 422, "sampling_params.top_k"),
+    (body(temperature=1e39), 422, "sampling_params.temperature"),  # float32 would make it inf
     (body(seed=-1), 422, "sampling_params.seed"),
     (body(seed=2**64), 422, "sampling_params.seed"),
     (body(stop_token_ids=[1, 999]), 422, "sampling_params.stop_token_ids[1]"),
@@ -143,6 +146,9 @@ BAD = [  # (raw body or JSON object, status, field)
     ({"prompt_ids": [1], "return_logprobs": "yes"}, 422, "return_logprobs"),
     ({"prompt_ids": [1], "session_id": 5}, 422, "session_id"),
     ({"prompt_ids": [1], "session_id": "s" * 300}, 422, "session_id"),
+    (b'{"prompt_ids": [1], "session_id": "\\ud800"}', 422, "session_id"),  # a lone surrogate: not Unicode text
+    (b'{"prompt_ids": [1], "sampling_params": {"\\udc00": 1}}', 422, "sampling_params.\\udc00 (a key)"),
+    (b'{"prompt_ids": ' + b"[" * 960 + b"1" + b"]" * 960 + b"}", 422, "prompt_ids[0]"),
     (b'{"prompt_ids": [' + b"1," * 40_000 + b"1]}", 413, "body"),
 ]
 
@@ -172,7 +178,9 @@ def test_streamed_body_over_limit_is_413(http):
 
 
 _any = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.integers(-3, 300),
+                 st.sampled_from([2**31 - 1, 2**31, 2**32, 2**63, 2**64, -2**31 - 1]),  # int32 / int64 edges
                  st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=5),
+                 st.sampled_from(["\ud800", "a\udfff", "\udc00\ud800"]),  # lone surrogates: JSON, not Unicode
                  st.lists(st.integers(-5, 400), max_size=6), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 _valid_sp = st.fixed_dictionaries({"max_tokens": st.integers(1, 4)}, optional={ "temperature": st.sampled_from([0.0, 0.7, 1]), "top_p": st.sampled_from([0.5, 1.0]),
     "top_k": st.integers(0, 50), "seed": st.one_of(st.none(), st.integers(0, 2**64 - 1)),
@@ -193,13 +201,19 @@ _valid_body = st.fixed_dictionaries(
               "session_id": st.one_of(st.none(), st.text(max_size=4))})
 
 
+_deep = st.integers(900, 1001).map(lambda n: b'{"prompt_ids": [1], "sampling_params": {"stop_token_ids": ' + b"[" * n
+                                   + b"1" + b"]" * n + b"}}")  # nested to the JSON reader's limit
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-@given(obj=st.one_of(_valid_body, _body, _body, _any), raw=st.one_of(st.none(), st.none(), st.none(), st.binary(max_size=20)))
+@given(obj=st.one_of(_valid_body, _body, _body, _any),
+       raw=st.one_of(st.none(), st.none(), st.none(), st.binary(max_size=20), _deep))
 def test_fuzzed_bodies_never_5xx(http, obj, raw):
     content = raw if raw is not None else json.dumps(obj, allow_nan=True).encode()
     r = http.post("/v1/generate", content=content)
     event(f"HTTP {r.status_code}")
     assert r.status_code in (200, 400, 422), r.text
+    assert r.headers["X-Weight-Version"].lstrip("-").isdigit()
     out = r.json()
     if r.status_code == 200:
         assert 1 <= len(out["output_ids"]) <= obj["sampling_params"].get("max_tokens", 16)
@@ -280,6 +294,37 @@ def test_weight_updates_orbax_and_safetensors(served, model, tmp_path):
     assert back.weight_version == v0 + 2
     assert back.output_ids == before.output_ids and back.logprobs == before.logprobs
     np.testing.assert_array_equal(back.routed_experts, before.routed_experts)
+
+
+def test_weight_pushes_of_unreadable_files_are_4xx_and_change_nothing(served, model, tmp_path):
+    """A junk or empty ``.safetensors`` and a ``config.json`` of ``[]`` are refused (422 naming
+    ``path`` and the file) before anything is loaded; the engine keeps its weights and version."""
+    import shutil
+
+    from models.hf import save_pretrained
+
+    engine, url = served
+    good = save_pretrained(model, tmp_path / "good") or tmp_path / "good"
+    cases = {  # directory name -> (file to overwrite, its new bytes, words the error must contain)
+        "junk": ("model.safetensors", bytes(range(256)) * 4, "model.safetensors: header length"),
+        "empty": ("model.safetensors", b"", "model.safetensors: 0 bytes"),
+        "truncated": ("model.safetensors", (good / "model.safetensors").read_bytes()[:-100], "truncated"),
+        "header_list": ("model.safetensors", len(b"[1, 2]").to_bytes(8, "little") + b"[1, 2]", "not a JSON object"),
+        "config_list": ("config.json", b"[]", "config.json: a JSON list: expected an object"),
+        "config_junk": ("config.json", b"\x00\x01", "config.json: not valid JSON"),
+    }
+    v0 = engine.weight_version
+    req = GenerateRequest([5, 6, 7], max_tokens=3, temperature=0.0)
+    [before] = engine.generate([req])
+    for name, (file, content, words) in cases.items():
+        shutil.copytree(good, tmp_path / name)
+        (tmp_path / name / file).write_bytes(content)
+        r = httpx.post(url + "/v1/weights", json={"path": str(tmp_path / name), "format": "safetensors"}, timeout=60)
+        assert r.status_code == 422 and r.json()["field"] == "path", (name, r.text)
+        assert words in r.json()["detail"], (name, r.text)
+        assert engine.weight_version == v0, name
+    [after] = engine.generate([req])
+    assert after.output_ids == before.output_ids and after.weight_version == v0
 
 
 def test_model_flag_loads_presets_hf_and_orbax_directories(model, tmp_path):

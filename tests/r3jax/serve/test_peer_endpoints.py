@@ -7,8 +7,11 @@ auth and OpenAPI cover every endpoint."""
 from __future__ import annotations
 
 import base64
+import concurrent.futures
+import contextlib
 import io
 import json
+import threading
 
 import httpx
 import numpy as np
@@ -116,6 +119,18 @@ BAD = [  # (path, body, status, the field the peer's error names)
     ("/generate", {"input_ids": [1], "stream": True}, 400, "stream"),
     ("/detokenize", {"tokens": [1, -1]}, 400, "tokens[1]"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    # the engine's int32 / float32 limits (a top_k >= 2**31 used to fail the whole decode batch)
+    ("/skyrl/v1/generate", {"token_ids": [1], "sampling_params": {"top_k": 2**31}}, 400, "sampling_params.top_k"),
+    ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"top_k": 273}}, 400, "sampling_params.top_k"),
+    ("/skyrl/v1/generate", {"token_ids": [1], "sampling_params": {"seed": 2**64}}, 400, "sampling_params.seed"),
+    ("/v1/completions", {"prompt": [1], "top_k": 2**31}, 400, "top_k"),
+    ("/v1/completions", {"prompt": [1], "stop_token_ids": [2**31]}, 400, "stop_token_ids[0]"),
+    ("/v1/completions", {"prompt": [1], "max_tokens": 2**63}, 400, "max_tokens"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"top_k": 2**31}}, 400, "sampling_params.top_k"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "temperature": 1e39}}, 400,
+     "sampling_params.temperature"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "sampling_seed": -2**63}}, 400,
+     "sampling_params.sampling_seed"),
 ]
 
 
@@ -142,12 +157,31 @@ def test_not_json_and_not_an_object(served):
             assert r.status_code == 400 and "message" in r.json()["error"], (path, content, r.text)
 
 
+SURROGATE = st.sampled_from(["\ud800", "a\udfff", "\udc00\ud800"])  # lone halves: valid JSON, not Unicode
+DEEP = "deep:"  # a string "deep:N" is replaced by N nested lists in the raw body (no recursion to build it)
 ODD = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.integers(-3, 300),
-                st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=4),
+                st.sampled_from([2**31 - 1, 2**31, 2**32, 2**63, 2**64, -2**31 - 1, -2**63 - 1]),  # int32 / int64 edges
+                st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=4), SURROGATE,
+                st.integers(900, 1001).map(lambda n: f"{DEEP}{n}"),
                 st.lists(st.integers(-5, 400), max_size=5), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+
+
+def dumps(obj) -> bytes:
+    """The body as JSON bytes, each ``"deep:N"`` string replaced by a list nested N deep."""
+    raw = json.dumps(obj, allow_nan=True)
+    while f'"{DEEP}' in raw:
+        i = raw.index(f'"{DEEP}')
+        j = raw.index('"', i + 1)
+        n = int(raw[i + 1 + len(DEEP):j])
+        raw = raw[:i] + "[" * n + "1" + "]" * n + raw[j + 1:]
+    return raw.encode()
 _ids = st.one_of(st.lists(st.integers(0, 271), min_size=1, max_size=5), ODD)
 _mt = st.one_of(st.integers(1, 3), ODD)
 BODIES = {
+    "/inference/v1/generate": st.fixed_dictionaries(
+        {"token_ids": _ids}, optional={"sampling_params": st.one_of(st.fixed_dictionaries(
+            {"max_tokens": _mt}, optional={"top_p": ODD, "top_k": ODD, "seed": ODD, "stop_token_ids": ODD}), ODD),
+            "request_id": ODD}),
     "/skyrl/v1/generate": st.fixed_dictionaries(
         {"token_ids": _ids}, optional={"model": ODD, "sampling_params": st.one_of(st.fixed_dictionaries(
             {"max_tokens": _mt}, optional={"temperature": ODD, "top_k": ODD, "logprobs": ODD,
@@ -166,16 +200,19 @@ BODIES = {
     "/detokenize": st.fixed_dictionaries({"tokens": _ids}, optional={"model": ODD}),
     "/tokenize": st.fixed_dictionaries({"prompt": st.one_of(st.text(max_size=4), ODD)}, optional={"model": ODD}),
 }
+BODIES["/v1/completions"] = st.one_of(BODIES["/v1/completions"], BODIES["/v1/completions"].map(  # more text prompts
+    lambda b: {**b, "prompt": "Hi"}), st.fixed_dictionaries({"prompt": st.one_of(SURROGATE, ODD), "top_k": ODD}))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(path=st.sampled_from(sorted(BODIES)), data=st.data())
 def test_fuzzed_peer_bodies_never_5xx(served, path, data):
     obj = data.draw(BODIES[path] if path != "/skyrl/v1/generate" else
                     st.one_of(BODIES[path], BODIES[path].map(lambda b: {**b, "sampling_params": {"max_tokens": 2}})))
-    r = httpx.post(served[1] + path, content=json.dumps(obj, allow_nan=True).encode(), timeout=60)
+    r = httpx.post(served[1] + path, content=dumps(obj), timeout=60)
     event(f"{path} HTTP {r.status_code}")
     assert r.status_code in (200, 400, 404), r.text
+    assert r.headers["X-Weight-Version"] == str(served[0].weight_version)
     body = r.json()
     if r.status_code != 200:
         assert body["error"]["message"], r.text
@@ -230,3 +267,129 @@ def test_openapi_documents_every_endpoint_and_auth_covers_them(serve_helpers):
                     pytest.raises(RemoteInputError) as e:
                 c.generate([req])
             assert e.value.status == 401
+
+
+# ---- one bad request never fails another; no body causes a 5xx ------------------------------------
+
+def _generate_body(path: str, prompt: list[int], **sp) -> dict:
+    """A greedy 4-token request for ``prompt`` in ``path``'s own form, plus sampling fields ``sp``."""
+    sp = {"temperature": 0.0, **sp}
+    if path == "/v1/generate":
+        return {"prompt_ids": prompt, "sampling_params": {"max_tokens": 4, **sp}}
+    if path == "/v1/completions":
+        return {"prompt": prompt, "max_tokens": 4, "return_token_ids": True, **sp}
+    if path == "/generate":
+        return {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, **sp}}
+    return {"token_ids": prompt, "sampling_params": {"max_tokens": 4, **sp}}  # SkyRL's two paths
+
+
+def _output_ids(path: str, body: dict) -> list[int]:
+    return body["output_ids"] if path in ("/v1/generate", "/generate") else body["choices"][0]["token_ids"]
+
+
+GENERATE_PATHS = ["/v1/generate", "/v1/completions", "/skyrl/v1/generate", "/inference/v1/generate", "/generate"]
+
+
+@contextlib.contextmanager
+def _scheduler_paused(engine):
+    """Hold the engine's scheduler in a control step, so requests queue and none is admitted until
+    the block ends: the bad request then meets the others in the scheduler, whatever the timing."""
+    inside, release = threading.Event(), threading.Event()
+
+    def pause():
+        inside.set()
+        release.wait(120)
+
+    holder = threading.Thread(target=engine._sched.control, args=(pause,), kwargs={"drain": False, "abort": False})
+    holder.start()
+    assert inside.wait(60)
+    try:
+        yield
+    finally:
+        release.set()
+        holder.join(60)
+
+
+def _in_flight(url: str) -> int:
+    return httpx.get(url + "/v1/stats", timeout=60).json()["in_flight"]
+
+
+@pytest.mark.parametrize("path", GENERATE_PATHS)
+def test_top_k_beyond_int32_is_4xx_and_the_six_requests_beside_it_complete(served, path):
+    """Before, ``top_k = 2**31`` passed the parsers and raised OverflowError while the scheduler built
+    the decode batch's int32 arrays: that request and every request beside it got a 500."""
+    engine, url = served
+    prompts = [[10 + i, 20 + i, 30 + i, 40 + i] for i in range(6)]
+    want = [o.output_ids for o in engine.generate(
+        [GenerateRequest(p, max_tokens=4, temperature=0.0) for p in prompts])]
+    with concurrent.futures.ThreadPoolExecutor(7) as pool:
+        with _scheduler_paused(engine):
+            innocent = [pool.submit(httpx.post, url + path, json=_generate_body(path, p), timeout=120)
+                        for p in prompts]
+            while _in_flight(url) < 6:  # all six queued in the engine before the bad one arrives
+                pass
+            bad = pool.submit(httpx.post, url + path, json=_generate_body(path, [1, 2], top_k=2**31), timeout=120)
+            while not bad.done() and _in_flight(url) < 7:  # refused at once, or queued beside them
+                pass
+        answers = [f.result() for f in innocent]
+        refused = bad.result()
+    assert refused.status_code == (422 if path == "/v1/generate" else 400), refused.text
+    assert "top_k" in refused.text and "2147483648" in refused.text
+    assert [r.status_code for r in answers] == [200] * 6, [r.text[:200] for r in answers]
+    assert [_output_ids(path, r.json()) for r in answers] == want
+
+
+SURROGATE_BODIES = [  # (path, raw body, the field the error names); "\ud800" is valid JSON, not valid Unicode
+    ("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+    ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
+    ("/generate", b'{"text": "\\ud800"}', "text"),
+    ("/generate", b'{"text": "ok \\udfff", "sampling_params": {"max_new_tokens": 2}}', "text"),
+    ("/skyrl/v1/generate", b'{"token_ids": [1], "model": "\\udc00"}', "model"),
+    ("/v1/completions", b'{"prompt": [1], "\\ud800": 1}', "\\ud800 (a key)"),
+    ("/v1/generate", b'{"prompt_ids": [1], "session_id": "x\\ud800"}', "session_id"),
+]
+
+
+@pytest.mark.parametrize("path,raw,field", SURROGATE_BODIES)
+def test_lone_surrogates_are_4xx_naming_the_field(served, path, raw, field):
+    r = httpx.post(served[1] + path, content=raw, timeout=60)
+    assert r.status_code == (422 if path == "/v1/generate" else 400), r.text
+    err = r.json()
+    named = err["field"] if path == "/v1/generate" else _field(path, err) if path != "/generate" else \
+        err["error"]["message"].split("=")[0]
+    assert named == field and "valid Unicode" in r.text, r.text
+    ok = httpx.post(served[1] + path, content=raw.replace(b"\\ud800", b"A").replace(b"\\udfff", b"B")
+                    .replace(b"\\udc00", b"C"), timeout=60)
+    assert ok.status_code in (200, 400), ok.text  # the same body with valid text is read normally
+    assert "valid Unicode" not in ok.text
+
+
+DEEP_FIELDS = [("/v1/completions", "prompt"), ("/skyrl/v1/generate", "token_ids"), ("/inference/v1/generate", "token_ids"),
+               ("/generate", "input_ids"), ("/detokenize", "tokens"), ("/tokenize", "prompt"), ("/v1/generate", "prompt_ids")]
+
+
+@pytest.mark.parametrize("path,key", DEEP_FIELDS)
+def test_token_lists_nested_to_the_json_limit_are_4xx(served, path, key):
+    """Every depth up to the point the JSON reader gives up: the error message is built without
+    recursing (before, depths around 960 raised RecursionError while formatting it: a 500)."""
+    statuses = set()
+    for depth in range(900, 1002):
+        raw = f'{{"{key}": {"[" * depth}1{"]" * depth}}}'.encode()
+        r = httpx.post(served[1] + path, content=raw, timeout=60)
+        assert r.status_code in (400, 422), (depth, r.status_code, r.text[:200])
+        statuses.add(r.status_code)
+    assert statuses <= ({400, 422} if path == "/v1/generate" else {400})
+
+
+@pytest.mark.parametrize("path", GENERATE_PATHS)
+def test_every_generate_answer_carries_x_weight_version(served, path):
+    engine, url = served
+    version = str(engine.weight_version)
+    ok = httpx.post(url + path, json=_generate_body(path, [5, 6, 7]), timeout=60)
+    bad = httpx.post(url + path, json=_generate_body(path, [5, 6, 7], top_k=-5), timeout=60)
+    not_json = httpx.post(url + path, content=b"{", timeout=60)
+    assert ok.status_code == 200 and bad.status_code in (400, 422) and not_json.status_code == 400
+    for r in (ok, bad, not_json):
+        assert r.headers.get("X-Weight-Version") == version, (r.status_code, dict(r.headers))
+    if path == "/v1/generate":
+        assert ok.json()["weight_version"] == engine.weight_version

@@ -180,3 +180,21 @@ def test_client_refuses_missing_routes_and_wrong_rows():
     with pytest.raises(ProtocolError, match="rows: expected P - s \\+ G - 1"):
         vllm.parse_completion_response({"choices": [{**choice, "routed_experts": short}]}, req, num_experts=E,
                                        num_layers=L, top_k=K)
+
+
+def test_cached_tokens_are_never_read_as_zero():
+    """``prompt_tokens_details: null`` (vLLM without --enable-prompt-tokens-details) is an unknown
+    count, not 0; a details object without an int count is a broken answer."""
+    from r3jax.serve.peers.common import UNKNOWN_COUNT
+
+    req = GenerateRequest(prompt_ids=[1, 2], max_tokens=1, return_logprobs=False)
+    answer = {"choices": [{"token_ids": [3], "finish_reason": "length"}], "usage": {"prompt_tokens": 2}}
+    read = lambda usage: vllm.parse_completion_response({**answer, "usage": usage}, req, num_experts=E,
+                                                        num_layers=L, top_k=K).cached_tokens
+    assert read({"prompt_tokens_details": {"cached_tokens": 0}}) == 0
+    assert read({"prompt_tokens_details": {"cached_tokens": 7}}) == 7
+    assert read({"prompt_tokens_details": None}) == UNKNOWN_COUNT and read({}) == UNKNOWN_COUNT
+    for details in ({}, {"cached_tokens": None}, {"cached_tokens": "3"}, {"cached_tokens": -1}, [3]):
+        with pytest.raises(ProtocolError, match="cached_tokens") as err:
+            read({"prompt_tokens_details": details})
+        assert err.value.field == "cached_tokens"
