@@ -26,11 +26,14 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from models import MoeConfig, MoeTransformer
+from models import axes
+from models.axes import ReplicationError
 from r3jax import sharding as batch_axes
 from r3jax.batch import Batch
 from r3jax.engine import slots as dev
 from r3jax.engine.engine import decode_program as engine_decode_program
 from r3jax.engine.programs import round_up
+from r3jax.engine.sharding import AXES as ENGINE_AXES
 from r3jax.engine.sharding import Placement
 from r3jax.engine.sharding import make_mesh as engine_mesh
 from r3jax.routes import route_dtype
@@ -76,11 +79,14 @@ def train_layouts(cfg: MoeConfig, chips: int, max_tries: int = 6) -> list[tuple[
     fsdp = chips / d splits parameters, optimizer state and experts that many ways (replicated over
     data) while the expert-parallel layer gathers tokens over those chips only. An expert axis would
     only move the same split from I to E, so it stays 1. Layouts leaving exactly one expert per chip
-    are skipped: libtpu 0.0.42 fails to compile the ragged_dot gradient there."""
+    are skipped (libtpu 0.0.42 fails to compile the ragged_dot gradient there), and so are layouts
+    whose fsdp divides neither E nor I (the experts would be replicated: models.axes)."""
     out, d = [], 1
     while d <= chips and len(out) < max_tries:
         f = chips // d
-        if chips % d == 0 and not (cfg.num_experts % f == 0 and cfg.num_experts // f < 2):
+        experts = axes.resolve(axes.EXPERT_IN, (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size),
+                               {"data": d, "fsdp": f, "expert": 1}, "train")
+        if chips % d == 0 and not (cfg.num_experts % f == 0 and cfg.num_experts // f < 2) and not experts.unsplit:
             out.append((d, f, 1))
         d *= 2
     return out
@@ -117,13 +123,12 @@ def _mesh(layout, devices) -> Mesh:
     try:
         return engine_mesh(*layout, devices=devices)
     except (ValueError, NotImplementedError, AssertionError):
-        return Mesh(np.asarray(devices, dtype=object).reshape(layout), ("data", "tensor", "expert"),
+        return Mesh(np.asarray(devices, dtype=object).reshape(layout), ENGINE_AXES,
                     axis_types=(AxisType.Auto,) * 3)
 
 
 def _placed(place: Placement, params, rest, state):
-    params = _abstract(params, jax.tree_util.tree_map_with_path(
-        lambda p, x: place.sharding(*place.param_spec(p, x)), params))
+    params = _abstract(params, place.param_shardings(params))
     rest = _abstract(rest, jax.tree.map(lambda _: place.replicated, rest))
     return params, rest, _abstract(state, place.state(state))
 
@@ -172,7 +177,7 @@ def decode_program(cfg: MoeConfig, devices, *, slots: int, seq_len: int, decode_
 
     ``layout`` (data, tensor, expert) defaults to the one of :func:`decode_layouts` with the fewest
     resident bytes per chip (parameters + slot state as :class:`Placement` places them), ties to the
-    larger data axis."""
+    larger data axis; a layout on which Placement would replicate an array (models.axes) is skipped."""
     seq = round_up(seq_len, block_size)  # as Engine: the cache length is whole prefix-cache blocks
     model = nnx.eval_shape(lambda: MoeTransformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -180,20 +185,28 @@ def decode_program(cfg: MoeConfig, devices, *, slots: int, seq_len: int, decode_
     state = jax.eval_shape(functools.partial(dev.init_state, cfg, rdt, slots=slots, seq_len=seq,
                                              stop_width=stop_width))
     candidates = decode_layouts(cfg, len(devices), slots) if layout is None else [tuple(layout)]
-    scored = []
+    scored, refused = [], []
     for lay in candidates:
         place = Placement(_mesh(lay, devices), cfg)
-        placed = _placed(place, params, rest, state)
+        try:
+            placed = _placed(place, params, rest, state)
+        except ReplicationError as e:  # a layout that would replicate an array: not one the engine takes
+            if layout is not None:
+                raise
+            refused.append(e)
+            continue
         scored.append(((chip_bytes(placed[0]) + chip_bytes(placed[2]), -lay[0], lay[1]), lay, place, placed))
+    if not scored:
+        raise refused[0]
     _, layout, place, (params, rest, state) = min(scored, key=lambda s: s[0])
     idx = jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=place.replicated)
     fn, kw = engine_decode_program(graphdef, place, state, n=slots, window=seq, steps=decode_steps)
     jitted = jax.jit(fn, **kw)  # the engine's own decode program (all slots live: the in-place form)
-    info = {"mesh": dict(zip(("data", "tensor", "expert"), layout)), "params_bytes": chip_bytes(params),
+    info = {"mesh": dict(zip(ENGINE_AXES, layout)), "params_bytes": chip_bytes(params),
             "optimizer_bytes": 0, "params_total_bytes": full_bytes(params), "slots": slots,
             "kv_cache_bytes": chip_bytes(state.cache), "routes_bytes": chip_bytes(state.routes),
             "routes_total_bytes": full_bytes(state.routes), "slot_state_bytes": chip_bytes(state),
-            "routes_sharding": describe_sharding(state.routes), "layouts_considered": len(candidates)}
+            "routes_sharding": describe_sharding(state.routes), "layouts_considered": len(scored)}
     return jitted, (params, rest, state, idx), info
 
 

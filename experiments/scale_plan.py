@@ -95,6 +95,7 @@ def run_cell(cfg, topo_name: str, program: str, *, backend: str, rl_batch: int, 
     ``cfg`` is a MoeConfig (or a preset name). The result has the cell's key fields, the mesh, the
     per-chip bytes of the inputs (experiments.aot_cells) and what the compiler said."""
     from models import MoeConfig
+    from models.axes import MESH_AXES, ReplicationError
     from experiments import aot_cells, topologies
 
     name = cfg if isinstance(cfg, str) else None
@@ -115,8 +116,13 @@ def run_cell(cfg, topo_name: str, program: str, *, backend: str, rl_batch: int, 
             layouts = layouts[:1]
         best = None
         for lay in layouts:
-            fn, args, info = aot_cells.train_program(cfg, devs, rows=min(rl_batch, rows_per_chip * topo.chips),
-                                                     seq_len=seq_len, rl_batch=rl_batch, layout=lay)
+            try:
+                fn, args, info = aot_cells.train_program(cfg, devs, rows=min(rl_batch, rows_per_chip * topo.chips),
+                                                         seq_len=seq_len, rl_batch=rl_batch, layout=lay)
+            except ReplicationError as e:  # an array no mesh axis splits (models.axes): not a layout to compile
+                tried.append({"mesh": dict(zip(MESH_AXES["train"], lay)), "status": "replicates", "compile_s": 0.0,
+                              "error": str(e)[:300]})
+                continue
             build_s = time.perf_counter() - t0
             report = aot_cells.compile_report(fn, args)
             tried.append({"mesh": info["mesh"], "status": report["status"], "compile_s": report["compile_s"],
@@ -127,6 +133,9 @@ def run_cell(cfg, topo_name: str, program: str, *, backend: str, rl_batch: int, 
                 best = (need, info, report, build_s)
             if report["status"] == "fits":
                 break  # RESOURCE_EXHAUSTED or a compiler error (libtpu 0.0.42 has layout bugs): try the next
+        if best is None:
+            raise ReplicationError("layout", layouts, "a layout that replicates no array",
+                                   f"every train layout tried replicates an array: {tried}")
         _, info, report, build_s = best
         report = {**report, "compile_s": sum(t["compile_s"] for t in tried)}
     elif program == "decode":

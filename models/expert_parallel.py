@@ -42,29 +42,25 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
-BATCH_AXES = ("data", "fsdp", "expert")  # tokens are split over all of these (in mesh order)
-EXPERT_AXIS = "expert"  # experts [E, ...] split here ...
-HIDDEN_AXIS = "fsdp"  # ... and here too (or, when E does not divide, each expert's hidden dim I)
+from models import axes
+from models.axes import BATCH_AXES  # tokens are split over all of these (in mesh order)
+
+EXPERT_AXIS, HIDDEN_AXIS = axes.RULES["experts"][0]  # experts [E, ...] split here (and over fsdp too, or I)
 
 
 def expert_weight_spec(name: str, shape, sizes) -> tuple:
     """Spec entries of the trailing three dims of an expert weight: gate/up ``[E, D, I]``, down
     ``[E, I, D]`` (leading dims, e.g. a stacked layer dim, are the caller's).
 
-    E goes on ``expert`` x ``fsdp`` when that divides it (fsdp then acts as more expert
-    parallelism: fewer experts, hence fewer routed pairs, per device); otherwise E on ``expert``
-    and I on ``fsdp``, each only where the axis size is > 1 and divides the dim (else replicated).
+    The trainer's rule of :data:`models.axes.RULES`: E goes on ``expert`` x ``fsdp`` when that divides
+    it (fsdp then acts as more expert parallelism: fewer experts, hence fewer routed pairs, per
+    device); otherwise E on ``expert`` and I on ``fsdp``, each only where the axis size is > 1 and
+    divides the dim. A layout only: whether leaving an axis unused is allowed is decided where the
+    weights are placed (:func:`r3jax.train.partition.param_spec`).
     name: "gate_proj" | "up_proj" | "down_proj"; shape: the full shape; sizes: {axis: size}.
     """
-    e, a, b = shape[-3:]
-    i = b if name != "down_proj" else a
-    x, f = sizes.get(EXPERT_AXIS, 1), sizes.get(HIDDEN_AXIS, 1)
-    if f > 1 and e % (x * f) == 0:
-        ea, ia = ((EXPERT_AXIS, HIDDEN_AXIS) if x > 1 else HIDDEN_AXIS), None
-    else:
-        ea = EXPERT_AXIS if x > 1 and e % x == 0 else None
-        ia = HIDDEN_AXIS if f > 1 and i % f == 0 else None
-    return (ea, None, ia) if name != "down_proj" else (ea, ia, None)
+    logical = axes.EXPERT_OUT if name == "down_proj" else axes.EXPERT_IN
+    return axes.resolve(logical, tuple(shape[-3:]), dict(sizes), "train").spec
 
 
 def _axes(entry) -> tuple[str, ...]:

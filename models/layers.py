@@ -17,7 +17,7 @@ class RMSNorm(nnx.Module):
     """Root-mean-square norm, statistics in float32 (as Hugging Face Qwen3 does)."""
 
     def __init__(self, dim: int, eps: float, param_dtype):
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -52,14 +52,14 @@ class Attention(nnx.Module):
         d, hd, pd = cfg.hidden_size, cfg.head_dim, cfg.param_dtype
         q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
         self.cfg = cfg
-        self.q_proj = nnx.Param(_init(rngs.params(), (d, q), pd))
-        self.k_proj = nnx.Param(_init(rngs.params(), (d, kv), pd))
-        self.v_proj = nnx.Param(_init(rngs.params(), (d, kv), pd))
-        self.o_proj = nnx.Param(_init(rngs.params(), (q, d), pd))
+        self.q_proj = nnx.Param(_init(rngs.params(), (d, q), pd), logical_axes=("embed", "heads"))
+        self.k_proj = nnx.Param(_init(rngs.params(), (d, kv), pd), logical_axes=("embed", "kv_heads"))
+        self.v_proj = nnx.Param(_init(rngs.params(), (d, kv), pd), logical_axes=("embed", "kv_heads"))
+        self.o_proj = nnx.Param(_init(rngs.params(), (q, d), pd), logical_axes=("heads", "embed"))
         if cfg.attention_bias:
-            self.q_bias = nnx.Param(jnp.zeros((q,), pd))
-            self.k_bias = nnx.Param(jnp.zeros((kv,), pd))
-            self.v_bias = nnx.Param(jnp.zeros((kv,), pd))
+            self.q_bias = nnx.Param(jnp.zeros((q,), pd), logical_axes=("heads",))
+            self.k_bias = nnx.Param(jnp.zeros((kv,), pd), logical_axes=("kv_heads",))
+            self.v_bias = nnx.Param(jnp.zeros((kv,), pd), logical_axes=("kv_heads",))
         if cfg.qk_norm:
             full = cfg.qk_norm_scope == "full"
             self.q_norm = RMSNorm(q if full else hd, cfg.rms_norm_eps, pd)
@@ -141,9 +141,9 @@ class DenseMLP(nnx.Module):
         d, pd = cfg.hidden_size, cfg.param_dtype
         i = cfg.dense_intermediate_size if intermediate_size is None else intermediate_size
         self.dtype = cfg.dtype
-        self.gate_proj = nnx.Param(_init(rngs.params(), (d, i), pd))
-        self.up_proj = nnx.Param(_init(rngs.params(), (d, i), pd))
-        self.down_proj = nnx.Param(_init(rngs.params(), (i, d), pd))
+        self.gate_proj = nnx.Param(_init(rngs.params(), (d, i), pd), logical_axes=("embed", "mlp"))
+        self.up_proj = nnx.Param(_init(rngs.params(), (d, i), pd), logical_axes=("embed", "mlp"))
+        self.down_proj = nnx.Param(_init(rngs.params(), (i, d), pd), logical_axes=("mlp", "embed"))
 
     def __call__(self, x):
         dt = self.dtype

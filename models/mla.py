@@ -41,16 +41,19 @@ class MLAttention(nnx.Module):
         d, h, hd, pd = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.param_dtype
         self.cfg = cfg
         if cfg.q_lora_rank:
-            self.q_a_proj = nnx.Param(_init(rngs.params(), (d, cfg.q_lora_rank), pd))
+            self.q_a_proj = nnx.Param(_init(rngs.params(), (d, cfg.q_lora_rank), pd), logical_axes=("embed", "q_lora"))
             self.q_a_norm = RMSNorm(cfg.q_lora_rank, _LATENT_NORM_EPS, pd)
-            self.q_b_proj = nnx.Param(_init(rngs.params(), (cfg.q_lora_rank, h * hd), pd))
+            self.q_b_proj = nnx.Param(_init(rngs.params(), (cfg.q_lora_rank, h * hd), pd),
+                                     logical_axes=("q_lora", "heads"))
         else:
-            self.q_proj = nnx.Param(_init(rngs.params(), (d, h * hd), pd))
-        self.kv_a_proj = nnx.Param(_init(rngs.params(), (d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), pd))
+            self.q_proj = nnx.Param(_init(rngs.params(), (d, h * hd), pd), logical_axes=("embed", "heads"))
+        self.kv_a_proj = nnx.Param(_init(rngs.params(), (d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), pd),
+                                  logical_axes=("embed", "kv_lora"))
         self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, _LATENT_NORM_EPS, pd)
         self.kv_b_proj = nnx.Param(_init(rngs.params(), (cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim
-                                                                                 + cfg.v_head_dim)), pd))
-        self.o_proj = nnx.Param(_init(rngs.params(), (h * cfg.v_head_dim, d), pd))
+                                                                                 + cfg.v_head_dim)), pd),
+                                  logical_axes=("kv_lora", "heads"))
+        self.o_proj = nnx.Param(_init(rngs.params(), (h * cfg.v_head_dim, d), pd), logical_axes=("heads", "embed"))
 
     def __call__(self, x, positions, segment_ids=None, kv=None):
         """x [B, T, D]; positions [B, T]; kv: ``(k, v)`` each [B, S, H, head_dim] or None."""

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import expert_parallel, routers
+from models import axes, expert_parallel, routers
 from models.config import MoeConfig
 from models.layers import DenseMLP
 
@@ -131,10 +131,10 @@ class MoeBlock(nnx.Module):
     def __init__(self, cfg: MoeConfig, *, rngs: nnx.Rngs):
         d, e, i, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.param_dtype
         self.cfg = cfg
-        self.router = nnx.Param(_init(rngs.params(), (d, e), pd))
-        self.gate_proj = nnx.Param(_init(rngs.params(), (e, d, i), pd))
-        self.up_proj = nnx.Param(_init(rngs.params(), (e, d, i), pd))
-        self.down_proj = nnx.Param(_init(rngs.params(), (e, i, d), pd))
+        self.router = nnx.Param(_init(rngs.params(), (d, e), pd), logical_axes=("embed", "expert_logits"))
+        self.gate_proj = nnx.Param(_init(rngs.params(), (e, d, i), pd), logical_axes=axes.EXPERT_IN)
+        self.up_proj = nnx.Param(_init(rngs.params(), (e, d, i), pd), logical_axes=axes.EXPERT_IN)
+        self.down_proj = nnx.Param(_init(rngs.params(), (e, i, d), pd), logical_axes=axes.EXPERT_OUT)
         if cfg.router == "sigmoid_bias_grouped":
             self.router_bias = routers.RouterBias(jnp.zeros((e,), jnp.float32))
         if cfg.num_shared_experts:

@@ -13,32 +13,22 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from models.stacking import is_stacked
+from models.stacking import is_stacked, path_names
 
 INT8_MAX = 127
 _KEEP = ("embed", "lm_head")  # path parts never quantized (vocab tables)
 
 
-def _path_names(path) -> list[str]:
-    names = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                names.append(str(getattr(k, attr)))
-                break
-    return names
-
-
 def is_router_path(path) -> bool:
     """True for parameters of a router (any path part containing "router")."""
-    return any("router" in n for n in _path_names(path))
+    return any("router" in n for n in path_names(path))
 
 
 def quantized_leaf(path, x, *, quantize_router: bool) -> bool:
     """Whether :func:`quantize_int8` rounds the leaf at ``path``: a matmul weight (ndim >= 2, not
     counting the leading layer axis of stacked layers) that is not an embedding / LM head, and not a
     router unless ``quantize_router``."""
-    names = _path_names(path)
+    names = path_names(path)
     if jnp.ndim(x) - is_stacked(path) < 2 or not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
         return False
     if any(n in _KEEP for n in names):

@@ -7,7 +7,7 @@ import numpy as np
 from flax import struct
 
 from models.config import MoeConfig
-from r3jax.checks import FieldError, check_route_ids
+from models.fields import FieldError, check_route_ids
 
 
 @struct.dataclass
@@ -22,9 +22,9 @@ class Replay:
 def validate_replay(replay: Replay, cfg: MoeConfig, tokens_shape: tuple[int, int]) -> None:
     """Host-side check of a :class:`Replay` against a config and a ``[B, T]`` token shape.
 
-    Raises :class:`r3jax.checks.FieldError` (a ValueError) naming the field, the value and the
+    Raises :class:`models.fields.FieldError` (a ValueError) naming the field, the value and the
     expectation. Ids (integer dtype, in ``[0, E)``, distinct per (token, layer)) are checked by
-    :func:`r3jax.checks.check_route_ids` on rows where mask is True only (the model ignores the rest).
+    :func:`models.fields.check_route_ids` on rows where mask is True only (the model ignores the rest).
     """
     routes, mask = np.asarray(replay.routes), np.asarray(replay.mask)
     b, t = tokens_shape

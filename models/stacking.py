@@ -30,17 +30,24 @@ def layer_groups(cfg: MoeConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple((name, ids) for name, ids in runs if ids)
 
 
-def _name(entry) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
+def path_names(path) -> tuple[str, ...]:
+    """The names along a pytree path (``jax.tree_util`` keys, or plain strings and ints), without the
+    ``value`` entry NNX variables add: ``("moe_layers", "mlp", "gate_proj")``. The one path-name
+    helper of partition rules and per-matrix transforms."""
+    names = []
+    for entry in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(entry, attr):
+                entry = getattr(entry, attr)
+                break
+        names.append(str(entry))
+    return tuple(n for n in names if n != "value")
 
 
 def is_stacked(path) -> bool:
     """Whether the pytree path (``jax.tree_util`` keys, or plain strings) lies in a stacked group, so its
     leaf has a leading layer axis that partition rules and per-matrix transforms must leave alone."""
-    return any((p if isinstance(p, str) else _name(p)) in GROUPS for p in path)
+    return any(n in GROUPS for n in path_names(path))
 
 
 def _layer_entry(layers: Mapping, i: int):

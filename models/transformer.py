@@ -53,7 +53,8 @@ class MoeTransformer(nnx.Module):
     def __init__(self, config: MoeConfig, *, rngs: nnx.Rngs):
         cfg = config
         self.config = cfg
-        self.embed = nnx.Param(_init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), cfg.param_dtype))
+        self.embed = nnx.Param(_init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), cfg.param_dtype),
+                               logical_axes=("vocab", "embed"))
         layers = [DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]  # one draw order for both layouts
         if cfg.scan_layers:
             for name, ids in stacking.layer_groups(cfg):
@@ -62,7 +63,8 @@ class MoeTransformer(nnx.Module):
             self.layers = nnx.List(layers)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype)
         if not cfg.tie_embeddings:
-            self.lm_head = nnx.Param(_init(rngs.params(), (cfg.hidden_size, cfg.vocab_size), cfg.param_dtype))
+            self.lm_head = nnx.Param(_init(rngs.params(), (cfg.hidden_size, cfg.vocab_size), cfg.param_dtype),
+                                     logical_axes=("embed", "vocab"))
 
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:

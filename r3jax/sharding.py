@@ -17,39 +17,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from models import axes
 from r3jax.checks import is_int
 
-AXES = ("data", "fsdp", "expert")
-# The batch dimension is split over every axis: outside the MoE layers ``expert`` acts as one more data
-# axis (as in MaxText), so attention and the rest split over all devices; inside them the
-# expert-parallel layer (models/expert_parallel.py) exchanges tokens along fsdp x expert.
-BATCH_AXES = ("data", "fsdp", "expert")
+AXES = axes.MESH_AXES["train"]
+# The batch dimension is split over every axis (models.axes.BATCH_AXES): outside the MoE layers
+# ``expert`` acts as one more data axis (as in MaxText), so attention and the rest split over all
+# devices; inside them the expert-parallel layer (models/expert_parallel.py) exchanges tokens along
+# fsdp x expert.
+BATCH_AXES = axes.BATCH_AXES
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, expert: int = 1, devices: Sequence[Any] | None = None,
               *, axis_type: AxisType = AxisType.Auto) -> Mesh:
     """A ``(data, fsdp, expert)`` mesh over ``devices`` (default: all). One size may be -1: it takes
-    the devices left over. The sizes must multiply to the device count."""
-    devices = list(jax.devices() if devices is None else devices)
-    sizes = {"data": data, "fsdp": fsdp, "expert": expert}
-    for name, v in sizes.items():
-        if not is_int(v) or (v < 1 and v != -1):
-            raise ValueError(f"{name}={v!r}: expected an int >= 1, or -1 for the remaining devices")
-    free = [name for name, v in sizes.items() if v == -1]
-    if len(free) > 1:
-        raise ValueError(f"{' and '.join(free)} are both -1: expected at most one axis of size -1")
-    known = math.prod(v for v in sizes.values() if v != -1)
-    if free:
-        if len(devices) % known:
-            raise ValueError(f"{free[0]}=-1: {len(devices)} devices are not divisible by the other "
-                             f"axes' product {known}")
-        sizes[free[0]] = len(devices) // known
-    if math.prod(sizes.values()) != len(devices):
-        raise ValueError(f"mesh (data={sizes['data']}, fsdp={sizes['fsdp']}, expert={sizes['expert']}) "
-                         f"has {math.prod(sizes.values())} slots: expected {len(devices)} "
-                         f"(the device count)")
-    return jax.make_mesh(tuple(sizes.values()), AXES, axis_types=(axis_type,) * len(AXES),
-                         devices=devices)
+    the devices left over. The sizes must multiply to the device count (:func:`models.axes.make_mesh`,
+    the trainer's role)."""
+    return axes.make_mesh("train", {"data": data, "fsdp": fsdp, "expert": expert}, devices, axis_type=axis_type)
 
 
 @functools.lru_cache(maxsize=256)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from r3jax.checks import is_int
+from models.fields import is_int
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -67,6 +67,9 @@ class Engine:
       static: admit requests only when every slot is free (the old static-batch behaviour, kept for
         comparisons).
       seed: seeds the draws of per-request seeds for requests with ``seed=None``.
+      allow_replication: accept (with one warning naming the multiplier) arrays that a mesh axis
+        cannot split, e.g. 2 kv heads on tensor = 8 (an 8x KV cache); by default that raises
+        :class:`models.axes.ReplicationError`.
     """
 
     def __init__(self, model: MoeTransformer, *, max_seq_len: int, max_batch_size: int,
@@ -74,7 +77,7 @@ class Engine:
                  block_size: int = 16, prefill_chunk: int = 256, min_prefill_chunk: int = 64,
                  prefill_rows: int | None = None,
                  min_seq_bucket: int = 64, decode_steps: int = 8, max_stop_tokens: int = 64, mesh=None,
-                 static: bool = False, seed: int | None = None):
+                 static: bool = False, seed: int | None = None, allow_replication: bool = False):
         if prefill_rows is None and isinstance(max_batch_size, int) and not isinstance(max_batch_size, bool):
             prefill_rows = min(max_batch_size, 8)
         for name, value, lo in [("max_seq_len", max_seq_len, 2), ("max_batch_size", max_batch_size, 1),
@@ -105,7 +108,7 @@ class Engine:
         self.decode_steps, self.max_stop_tokens, self.static = decode_steps, max_stop_tokens, bool(static)
         self.route_dtype = route_dtype(cfg.num_experts)
         self.weight_version = 0
-        self.placement = Placement(mesh, cfg)
+        self.placement = Placement(mesh, cfg, allow_replication=allow_replication)
 
         # shapes: every bucket is fixed here, so the set of programs is too
         self.seq_len = round_up(max_seq_len, block_size)  # S > every fed position (the last is P + G - 2)

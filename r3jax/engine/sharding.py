@@ -1,17 +1,20 @@
-"""Where the engine's arrays live: parameters and slot state on a device mesh.
+"""Where the engine's arrays live: parameters and slot state on a ``(data, tensor, expert)`` mesh.
 
-The trainer's partition rules (:mod:`r3jax.train.partition`) use axes ``(data, fsdp, expert)`` and
-have no tensor axis, so serving has its own rules over a ``(data, tensor, expert)`` mesh:
+The rules are the serving role of the one logical-axis table (:mod:`models.axes`, the trainer's
+:mod:`r3jax.train.partition` uses the same table on its ``(data, fsdp, expert)`` mesh):
 
 - experts ``[E, ...]`` along ``expert``; their hidden dim ``I`` along ``tensor``;
-- attention projections by heads along ``tensor`` (q/k/v output dim, o input dim); dense MLP hidden
-  dim along ``tensor``; embedding and LM head by vocabulary along ``tensor``; norms and the router
-  replicated;
+- attention projections by whole heads along ``tensor`` (q/k/v output dim, o input dim); dense MLP
+  hidden dim along ``tensor``; embedding and LM head by vocabulary along ``tensor``; norms and the
+  router replicated;
 - slot state by slot along ``data`` and the KV cache's kv heads along ``tensor``;
 - the leading layer axis of stacked (scanned) layers and of the KV cache is never sharded.
 
-An axis the mesh lacks counts as size 1, and a dim is sharded only when the axis size divides it
-(otherwise it stays replicated: still correct). Without a mesh everything lives on one device.
+An axis the mesh lacks counts as size 1. A mesh axis that cannot split the dim it is meant for (2 kv
+heads on tensor = 8) raises :class:`models.axes.ReplicationError` naming the multiplier, unless the
+engine was built with ``allow_replication=True`` (then it warns once). A transient view of fewer rows
+than data shards (a decode of one live slot) stays whole on each device. Without a mesh everything
+lives on one device.
 """
 
 from __future__ import annotations
@@ -20,56 +23,62 @@ import math
 from typing import Any
 
 import jax
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from models.stacking import is_stacked
+from models import axes
 from r3jax.sharding import place_copy
 
-AXES = ("data", "tensor", "expert")
-_EXPERT = ("gate_proj", "up_proj", "down_proj")
+AXES = axes.MESH_AXES["serve"]
 
 
 def make_mesh(data: int = -1, tensor: int = 1, expert: int = 1, devices=None) -> Mesh:
-    """A ``(data, tensor, expert)`` serving mesh (Auto axes). ``data=-1`` takes the devices left over."""
-    devices = list(jax.devices() if devices is None else devices)
-    for name, v in (("data", data), ("tensor", tensor), ("expert", expert)):
-        if isinstance(v, bool) or not isinstance(v, int) or (v < 1 and not (name == "data" and v == -1)):
-            raise ValueError(f"{name}={v!r}: expected an int >= 1" + (" or -1" if name == "data" else ""))
-    if data == -1:
-        if len(devices) % (tensor * expert):
-            raise ValueError(f"{len(devices)} devices are not divisible by tensor * expert = {tensor * expert}")
-        data = len(devices) // (tensor * expert)
-    if data * tensor * expert != len(devices):
-        raise ValueError(f"mesh (data={data}, tensor={tensor}, expert={expert}) has {data * tensor * expert} "
-                         f"slots: expected {len(devices)} (the device count)")
-    return jax.make_mesh((data, tensor, expert), AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
-
-
-def _name(entry) -> str:
-    return str(getattr(entry, "key", getattr(entry, "name", getattr(entry, "idx", entry))))
+    """A ``(data, tensor, expert)`` serving mesh (Auto axes). One size may be -1 (default: data): it
+    takes the devices left over (:func:`models.axes.make_mesh`, the serving role)."""
+    return axes.make_mesh("serve", {"data": data, "tensor": tensor, "expert": expert}, devices)
 
 
 class Placement:
-    """Shardings of the engine's arrays on ``mesh`` (or on one device when mesh is None)."""
+    """Shardings of the engine's arrays on ``mesh`` (or on one device when mesh is None).
 
-    def __init__(self, mesh: Mesh | None, cfg):
+    allow_replication: accept (with one warning each) arrays that a mesh axis cannot split and that
+    would be replicated over it; by default that raises :class:`models.axes.ReplicationError`."""
+
+    def __init__(self, mesh: Mesh | None, cfg, *, allow_replication: bool = False):
         if mesh is not None:
             if not isinstance(mesh, Mesh):
                 raise ValueError(f"mesh={mesh!r}: expected a jax.sharding.Mesh")
             if any(t == AxisType.Explicit for t in mesh.axis_types):
                 raise ValueError(f"mesh.axis_types={mesh.axis_types}: expected Auto axes (the model relies "
                                  "on compiler-propagated sharding)")
-        self.mesh, self.cfg = mesh, cfg
-        self._sizes = {} if mesh is None else dict(zip(mesh.axis_names, mesh.devices.shape))
+        self.mesh, self.cfg, self.allow_replication = mesh, cfg, bool(allow_replication)
+        self._sizes = {} if mesh is None else axes.mesh_sizes(mesh)
+        self._units = axes.head_units(cfg)
+        self._warned: set[str] = set()  # replication accepted by allow_replication: warned once each
         self.device = jax.devices()[0] if mesh is None else None
 
     def size(self, axis: str) -> int:
         return int(self._sizes.get(axis, 1))
 
-    def _axis(self, axis: str, dim: int):
-        n = self.size(axis)
-        return axis if n > 1 and dim % n == 0 else None
+    def _spec(self, what: str, logical, shape, *, views: bool = False, notes: list | None = None) -> tuple:
+        """Spec entries of one array (:func:`models.axes.resolve`). views: a transient array of some
+        rows, which may stay whole over ``data`` when its rows do not divide."""
+        layout = axes.resolve(logical, shape, self._sizes, "serve", self._units)
+        if views:
+            unsplit = ((m, tuple(d for d in dims if logical[d] != "batch")) for m, dims in layout.unsplit)
+            layout = layout._replace(unsplit=tuple((m, dims) for m, dims in unsplit if dims))
+        mine = [] if notes is None else notes
+        out = axes.check_layout(what, logical, shape, self._sizes, layout, units=self._units,
+                                allow_replication=self.allow_replication, notes=mine)
+        if notes is None:
+            self._warn(mine)
+        return out
+
+    def _warn(self, notes: list) -> None:
+        new = [n for n in notes if n not in self._warned]
+        self._warned.update(new)
+        axes.warn_replication(new, stacklevel=4)
 
     def sharding(self, *spec) -> jax.sharding.Sharding:
         if self.mesh is None:
@@ -85,35 +94,24 @@ class Placement:
         return jax.device_put(x, self.replicated if sharding is None else sharding)
 
     # ---- parameters ----------------------------------------------------------------------------
-    def param_spec(self, path, leaf) -> tuple:
-        """The spec of one parameter; stacked layers (models/stacking.py) keep their leading layer
-        axis unsharded and get the spec of one layer's matrix after it."""
-        if is_stacked(path):
-            return (None,) + self._matrix_spec(path, tuple(leaf.shape)[1:])
-        return self._matrix_spec(path, tuple(leaf.shape))
+    def param_spec(self, path, leaf, notes: list | None = None) -> tuple:
+        """The spec of one parameter, from its logical axes (:func:`models.axes.param_axes`; stacked
+        layers keep their leading layer axis unsharded)."""
+        return self._spec(axes.leaf_name(path), axes.param_axes(path, leaf), tuple(leaf.shape), notes=notes)
 
-    def _matrix_spec(self, path, shape: tuple) -> tuple:
-        cfg = self.cfg
-        names = [n for n in (_name(p) for p in path) if n != "value"]
-        last = names[-1] if names else ""
-        t = lambda d, heads=None: self._axis("tensor", d if heads is None else heads) and "tensor"
-        if len(shape) == 3 and last in _EXPERT:  # [E, D, I] or [E, I, D]
-            e = self._axis("expert", shape[0])
-            return (e, None, t(shape[2])) if last != "down_proj" else (e, t(shape[1]), None)
-        if last in ("q_proj", "k_proj", "v_proj"):
-            heads = cfg.num_heads if last == "q_proj" else cfg.num_kv_heads
-            return (None, t(shape[1], heads))
-        if last == "o_proj":
-            return (t(shape[0], cfg.num_heads), None)
-        if len(shape) == 2 and last in ("gate_proj", "up_proj"):
-            return (None, t(shape[1]))
-        if len(shape) == 2 and last == "down_proj":
-            return (t(shape[0]), None)
-        if last == "embed":
-            return (t(shape[0]), None)
-        if last == "lm_head":
-            return (None, t(shape[1]))
-        return (None,) * len(shape)
+    def param_shardings(self, tree):
+        """The sharding of every parameter of ``tree`` (same structure; an ``nnx.State``'s variables
+        hold them)."""
+        is_var = lambda x: isinstance(x, nnx.Variable)
+        notes: list[str] = []
+
+        def one(path, x):
+            sh = self.sharding(*self.param_spec(path, x, notes))
+            return x.replace(sh) if is_var(x) else sh
+
+        out = jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_var)
+        self._warn(notes)
+        return out
 
     def params(self, tree, like=None):
         """Own copies of the parameter arrays (never views of the caller's, which a donated train step
@@ -121,23 +119,26 @@ class Placement:
         if like is not None:
             shardings = jax.tree.map(lambda old: old.sharding, like)
         else:
-            shardings = jax.tree_util.tree_map_with_path(lambda p, x: self.sharding(*self.param_spec(p, x)), tree)
+            shardings = self.param_shardings(tree)
         return place_copy(tree, shardings)
 
     # ---- slot state ----------------------------------------------------------------------------
     def kv(self, rows: int, *, by_row: bool) -> jax.sharding.Sharding:
         """KV buffers [n, N, S, Hkv, Dh] (n layers of a run): rows along data (slot state only), kv
         heads along tensor, the layer axis unsharded."""
-        return self.sharding(None, self._axis("data", rows) if by_row else None, None,
-                             self._axis("tensor", self.cfg.num_kv_heads), None)
+        logical = ("layers", "batch" if by_row else None, None, "kv_heads", None)
+        shape = (1, rows, 1, self.cfg.num_kv_heads, self.cfg.head_dim)  # [n, N, S, Hkv, Dh]; n, S never split
+        return self.sharding(*self._spec("KV cache", logical, shape, views=True))
 
     def rows(self, rows: int) -> jax.sharding.Sharding:
         """Any per-slot array [B, ...]: slots along data."""
-        return self.sharding(self._axis("data", rows))
+        return self.sharding(*self._spec("slot rows", ("batch",), (rows,), views=True))
 
     def state(self, state):
-        """Shardings of a :class:`r3jax.engine.slots.SlotState` (same tree)."""
+        """Shardings of a :class:`r3jax.engine.slots.SlotState` (same tree). Its slots must divide
+        over ``data`` (the resident state is not a view)."""
         b = state.tokens.shape[0]
+        self._spec("slot state (max_batch_size slots)", ("batch",), (b,))
         tree = jax.tree.map(lambda _: self.rows(b), state)
         kv = self.kv(b, by_row=True)
         return tree.replace(cache=jax.tree.map(lambda _: kv, state.cache))

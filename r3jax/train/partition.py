@@ -1,21 +1,20 @@
-"""Partition specs for the trainer: expert weights along ``expert`` x ``fsdp`` (the layout the
-expert-parallel MoE layer runs on, models/expert_parallel.py), everything else along ``fsdp``,
-batches along ``data`` x ``fsdp`` x ``expert`` (r3jax.sharding); and the mesh helpers the train
-state uses."""
+"""Partition specs for the trainer, from the one logical-axis table (:mod:`models.axes`, role
+``"train"``): expert weights along ``expert`` x ``fsdp`` (the layout the expert-parallel MoE layer runs
+on, models/expert_parallel.py), every other parameter's largest dim that ``fsdp`` divides along
+``fsdp``, batches along ``data`` x ``fsdp`` x ``expert`` (r3jax.sharding); and the mesh helpers the
+train state uses."""
 
 from __future__ import annotations
 
 import jax
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.expert_parallel import expert_weight_spec
-from models.stacking import is_stacked
+from models import axes
 from r3jax.sharding import AXES as MESH_AXES
 from r3jax.sharding import batch_multiple as batch_divisor  # noqa: F401 (re-exported)
 from r3jax.sharding import batch_sharding  # noqa: F401 (re-exported)
-
-_EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj")
 
 
 def single_device_mesh(device=None) -> Mesh:
@@ -40,44 +39,37 @@ def check_mesh(mesh: Mesh) -> Mesh:
     return mesh
 
 
-def _name(entry) -> str:
-    return str(getattr(entry, "key", getattr(entry, "name", getattr(entry, "idx", entry))))
+def param_spec(path, leaf, mesh: Mesh, *, allow_replication: bool = False, notes: list | None = None) -> P:
+    """PartitionSpec of one parameter, from its logical axes (:func:`models.axes.param_axes`: the
+    ``logical_axes`` it was built with, a leading ``layers`` axis for stacked layers) and the
+    trainer's rules of :data:`models.axes.RULES`. Expert tensors (gate/up ``[E, D, I]``, down
+    ``[E, I, D]``) get E on ``expert`` x ``fsdp`` (else E on ``expert``, I on ``fsdp``), as
+    :func:`models.expert_parallel.expert_weight_spec`; every other tensor puts its largest dim that
+    ``fsdp`` divides on ``fsdp``; the stacked layer axis stays unsharded (the scan slices it).
+
+    Raises :class:`models.axes.ReplicationError` when a mesh axis the tensor asks for divides none of
+    its dims (the tensor would be replicated over it), unless ``allow_replication`` (then it warns,
+    naming the multiplier, or adds the message to ``notes``); norm scales may stay whole.
+    """
+    logical = axes.param_axes(path, leaf)
+    return P(*axes.spec(logical, tuple(leaf.shape), axes.mesh_sizes(mesh), "train", what=axes.leaf_name(path),
+                        allow_replication=allow_replication, notes=notes))
 
 
-def _is_expert_weight(path, ndim: int) -> bool:
-    """ndim: of one layer's tensor (without a stacked layer axis)."""
-    names = [_name(p) for p in path]
-    names = [n for n in names if n != "value"]
-    return ndim == 3 and bool(names) and names[-1] in _EXPERT_PARAMS
+def param_shardings(params, mesh: Mesh, *, allow_replication: bool = False):
+    """NamedSharding for every leaf of a params pytree (an ``nnx.State`` keeps its structure, its
+    variables holding the shardings). With ``allow_replication``: one warning for all the tensors
+    replicated (:func:`param_spec`)."""
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    notes: list[str] = []
 
+    def one(path, x):
+        sh = NamedSharding(mesh, param_spec(path, x, mesh, allow_replication=allow_replication, notes=notes))
+        return x.replace(sh) if is_var(x) else sh
 
-def param_spec(path, leaf, mesh: Mesh) -> P:
-    """PartitionSpec of one parameter. Expert tensors (gate/up ``[E, D, I]``, down ``[E, I, D]``)
-    follow :func:`models.expert_parallel.expert_weight_spec`: E on ``expert`` x ``fsdp`` (else E on
-    ``expert``, I on ``fsdp``), the layout the expert-parallel MoE layer runs on without moving
-    weights; every other tensor puts its largest dim on ``fsdp``. A dim is only sharded when the
-    axis size divides it (otherwise it stays replicated, still correct). Stacked layers
-    (models/stacking.py) keep their leading layer axis unsharded (the scan slices it per layer) and
-    shard the rest as one layer's tensor."""
-    shape = tuple(leaf.shape)
-    lead = 1 if is_stacked(path) else 0
-    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
-    if _is_expert_weight(path, len(shape) - lead):
-        names = [n for n in (_name(p) for p in path) if n != "value"]
-        return P(*([None] * lead), *expert_weight_spec(names[-1], shape, sizes))
-    spec: list = [None] * len(shape)
-    if sizes["fsdp"] > 1:
-        for d in sorted(range(lead, len(shape)), key=lambda i: -shape[i]):
-            if shape[d] % sizes["fsdp"] == 0:
-                spec[d] = "fsdp"
-                break
-    return P(*spec)
-
-
-def param_shardings(params, mesh: Mesh):
-    """NamedSharding for every leaf of a params pytree (an ``nnx.State`` keeps its structure)."""
-    return jax.tree_util.tree_map_with_path(lambda p, x: NamedSharding(mesh, param_spec(p, x, mesh)),
-                                            params)
+    out = jax.tree_util.tree_map_with_path(one, params, is_leaf=is_var)
+    axes.warn_replication(notes)
+    return out
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -40,10 +40,11 @@ class TrainState:
         return partition.mesh_of(self.params)
 
 
-def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
+def state_shardings(state: TrainState, mesh: Mesh, *, allow_replication: bool = False) -> TrainState:
     """A TrainState-shaped pytree of NamedShardings: params per :func:`partition.param_spec`, the
-    optimizer's param-shaped slots like their params, every other leaf replicated."""
-    p_sh = partition.param_shardings(state.params, mesh)
+    optimizer's param-shaped slots like their params, every other leaf replicated. allow_replication:
+    see :func:`partition.param_spec`."""
+    p_sh = partition.param_shardings(state.params, mesh, allow_replication=allow_replication)
     rep = partition.replicated(mesh)
     is_sh = lambda x: isinstance(x, jax.sharding.Sharding)
     opt_sh = optax.tree_map_params(state.tx, lambda _, s: s, state.opt_state, p_sh,
@@ -53,11 +54,12 @@ def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
 
 
 def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, *, mesh: Mesh | None = None,
-                     seed: int = 0) -> TrainState:
+                     seed: int = 0, allow_replication: bool = False) -> TrainState:
     """Split ``model`` once and build its TrainState placed on ``mesh`` (default: a 1-device mesh).
 
     Parameters are copied with :func:`partition.param_spec` shardings (the model keeps its own
-    buffers); ``tx.init`` runs jitted with matching output shardings.
+    buffers); ``tx.init`` runs jitted with matching output shardings. A mesh axis that would leave a
+    parameter replicated raises :class:`models.axes.ReplicationError` unless ``allow_replication``.
     """
     mesh = partition.single_device_mesh() if mesh is None else partition.check_mesh(mesh)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -65,7 +67,7 @@ def init_train_state(model: nnx.Module, tx: optax.GradientTransformation, *, mes
                           opt_state=jax.eval_shape(tx.init, params),
                           step=jax.ShapeDtypeStruct((), jnp.int32),
                           rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
-    sh = state_shardings(abstract, mesh)
+    sh = state_shardings(abstract, mesh, allow_replication=allow_replication)
     # Copies, never aliases: train_step donates the state, and the model (maybe shared with an
     # engine) must keep valid buffers.
     params, rest = place_copy(params, sh.params), place_copy(rest, sh.rest)

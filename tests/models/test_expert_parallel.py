@@ -64,7 +64,11 @@ CASES = [("data2_expert4", 8, 32, ("expert",), (2, 64, 32)),
 def test_ep_forward_and_grads_equal_one_device(one_device, mesh_name, num_experts, intermediate, exchange, shard):
     cfg, params, inputs, fn, ((loss1, out1), grads1) = one_device(num_experts, intermediate)
     mesh = make_mesh(*MESHES[mesh_name])
-    p8 = jax.device_put(params, param_shardings(params, mesh))
+    if exchange:
+        p8 = jax.device_put(params, param_shardings(params, mesh))
+    else:  # the experts stay whole on all 8 devices: an explicit opt-in, with a warning naming the 8x
+        with pytest.warns(UserWarning, match=r"moe_layers/mlp/(gate|up|down)_proj .*replicated 8x"):
+            p8 = jax.device_put(params, param_shardings(params, mesh, allow_replication=True))
     assert p8["moe_layers"]["mlp"]["gate_proj"][...].addressable_shards[0].data.shape == (1,) + shard  # [L=1, ...]
     x8 = jax.device_put(inputs, batch_sharding(mesh))
     with jax.set_mesh(mesh):
