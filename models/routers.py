@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from models.config import MoeConfig
+from models.fields import FieldError
 
 
 class RouterBias(nnx.Variable):
@@ -124,7 +125,9 @@ def update_state_biases(state: nnx.State, load: jax.Array, moe_layer_ids, rate: 
     layer layout (models/stacking.py): the stacked ``moe_layers`` bias [L, E] or ``layers/{i}``'s [E].
 
     load [L, E] (``out.expert_load``, summed over a step); moe_layer_ids: the model's. Returns a new
-    state; the input is not modified. A model without biases (softmax router) is returned as is.
+    state; the input is not modified. A state without any ``router_bias`` (a softmax router, or a
+    model of another layout) raises :class:`models.fields.FieldError`: a requested update that
+    could not happen must not pass in silence.
     """
     pure = nnx.to_pure_dict(state)
     found = False
@@ -138,7 +141,9 @@ def update_state_biases(state: nnx.State, load: jax.Array, moe_layer_ids, rate: 
             mlp["router_bias"] = update_bias(mlp["router_bias"], load[m], rate)
             found = True
     if not found:
-        return state
+        raise FieldError("LossConfig.bias_update_rate", rate,
+                         "0 for a model without router_bias parameters (stacked moe_layers/mlp/router_bias "
+                         "or layers/{i}/mlp/router_bias, as the sigmoid_bias_grouped router has)")
     new = jax.tree.map(lambda x: x, state)
     nnx.replace_by_pure_dict(new, pure)
     return new

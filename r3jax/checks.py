@@ -25,7 +25,8 @@ attributes let a server build its 4xx body without parsing the message. ``FieldE
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+import numbers
+from typing import Any
 
 import numpy as np
 

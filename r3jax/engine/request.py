@@ -101,7 +101,8 @@ class GenerateOutput:
     routed_experts: ``[P - s + G - 1, L, K]`` in ``r3jax.routes.route_dtype(E)``, the rows of absolute
     positions ``[s, P + G - 1)`` (rows of prefix-cached positions are the ones recorded when those
     tokens were first processed), or None. cached_tokens: prompt tokens whose KV came from the prefix
-    cache. routed_experts_start: s.
+    cache; None when a remote generator did not report it (SkyRL's answer has no such field; vLLM's
+    only with ``--enable-prompt-tokens-details``): unknown, never read as 0. routed_experts_start: s.
     """
 
     output_ids: list[int]
@@ -109,7 +110,7 @@ class GenerateOutput:
     finish_reason: str
     routed_experts: np.ndarray | None
     prompt_tokens: int
-    cached_tokens: int
+    cached_tokens: int | None
     weight_version: int
     routed_experts_start: int
 

@@ -139,7 +139,7 @@ class Episode:
                 appended = len(new)
         self.turns.append(TurnStats(
             routes_start=self._start, route_rows=rows, route_bytes=nbytes, prompt_tokens=p,
-            cached_tokens=int(out.cached_tokens), generated_tokens=g,
+            cached_tokens=None if out.cached_tokens is None else int(out.cached_tokens), generated_tokens=g,
             observation_tokens=appended, finish_reason=str(out.finish_reason),
             weight_version=int(out.weight_version), reward=float(reward),
             synthetic_eos=synthetic))

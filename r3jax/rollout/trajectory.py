@@ -19,7 +19,7 @@ class TurnStats:
 
     ``routes_start``: the ``routed_experts_prompt_start`` sent; ``route_rows`` / ``route_bytes``:
     rows received and their raw size (``rows * L * K * itemsize``); ``prompt_tokens``: tokens sent;
-    ``cached_tokens``: of those, served from the generator's prefix cache; ``generated_tokens``;
+    ``cached_tokens``: of those, served from the generator's prefix cache (None: not reported); ``generated_tokens``;
     ``observation_tokens``: appended after this turn (0 on the last); ``synthetic_eos``: an EOS
     was appended (loss-masked) because the turn hit ``max_tokens``.
     """
@@ -28,7 +28,7 @@ class TurnStats:
     route_rows: int
     route_bytes: int
     prompt_tokens: int
-    cached_tokens: int
+    cached_tokens: int | None
     generated_tokens: int
     observation_tokens: int
     finish_reason: str
@@ -116,8 +116,10 @@ class Trajectory:
         return sum(t.prompt_tokens for t in self.turns)
 
     @property
-    def cached_tokens(self) -> int:
-        return sum(t.cached_tokens for t in self.turns)
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens served from the prefix cache over all turns; None if any turn's is unknown."""
+        counts = [t.cached_tokens for t in self.turns]
+        return None if None in counts else sum(counts)
 
     @property
     def starts(self) -> list[int]:

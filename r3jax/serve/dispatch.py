@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from fastapi import Request
 
-from r3jax.engine.errors import EngineAborted
+from r3jax.engine.errors import EngineAborted, EngineFailedError
 from r3jax.serve.batcher import EngineBridge, ShuttingDown
 
 MAX_SESSIONS = 1024
@@ -29,7 +29,8 @@ OFFLOAD_BYTES = 256 << 10  # responses with more route bytes are encoded in a wo
 
 
 class Unavailable(Exception):
-    """Not served; a retry (later or elsewhere) may succeed. ``kind``: ``"unavailable"`` or ``"aborted"``."""
+    """Not served; a retry (later or elsewhere) may succeed. ``kind``: ``"unavailable"``, ``"aborted"``
+    or ``"engine_failed"`` (the replica's scheduler stopped; ``/health`` says why)."""
 
     def __init__(self, detail: str, kind: str = "unavailable"):
         super().__init__(detail)
@@ -78,6 +79,8 @@ class ServeContext:
             return task.result()
         except ShuttingDown as e:  # also Overloaded: not started, so safe to retry
             raise Unavailable(str(e)) from None
+        except EngineFailedError as e:  # this replica cannot serve any more: retry on another
+            raise Unavailable(str(e), "engine_failed") from None
         except EngineAborted as e:  # stopped by a weight update: nothing was returned, retry it
             raise Unavailable(str(e), "aborted") from None
 

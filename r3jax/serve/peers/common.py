@@ -23,7 +23,6 @@ from r3jax.serve.protocol import ProtocolError
 
 CLAMPED_LOGPROB = -9999.0  # the floor vLLM and SkyRL put on a missing or non-finite sampled logprob
 UNKNOWN_VERSION = -1  # weight_version of an output whose peer protocol does not report one
-UNKNOWN_COUNT = -1  # cached_tokens of an output whose peer did not report it (never read as 0)
 
 
 def mapping(field: str, value: Any) -> Mapping[str, Any]:

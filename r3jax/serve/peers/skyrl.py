@@ -169,6 +169,6 @@ def parse_generate_response(content: bytes | str | Mapping, request: GenerateReq
             routes = common.route_rows(decode_routes(choice["routed_experts"], num_experts), request, len(ids),
                                        num_experts=num_experts, num_layers=num_layers, top_k=top_k, where=where)
     return GenerateOutput(output_ids=ids, logprobs=lps, finish_reason=common.finish(choice.get("finish_reason"), where),
-                          routed_experts=routes, prompt_tokens=len(request.prompt_ids), cached_tokens=0,
+                          routed_experts=routes, prompt_tokens=len(request.prompt_ids), cached_tokens=None,
                           weight_version=common.UNKNOWN_VERSION,
                           routed_experts_start=int(request.routed_experts_prompt_start))

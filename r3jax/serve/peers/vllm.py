@@ -289,13 +289,13 @@ def parse_completion_response(content: bytes | str | Mapping, request: GenerateR
                           routed_experts_start=int(request.routed_experts_prompt_start))
 
 
-def _cached_tokens(usage: Any, where: str) -> int:
+def _cached_tokens(usage: Any, where: str) -> int | None:
     """``usage.prompt_tokens_details.cached_tokens``. vLLM sends ``prompt_tokens_details: null`` unless
-    started with ``--enable-prompt-tokens-details``: then the count is unknown (``UNKNOWN_COUNT``,
+    started with ``--enable-prompt-tokens-details``: then the count is unknown (None,
     not 0: nothing says no prompt token was cached). A details object must hold an int >= 0."""
     details = usage.get("prompt_tokens_details") if isinstance(usage, Mapping) else None
     if details is None:
-        return common.UNKNOWN_COUNT
+        return None
     value = details.get("cached_tokens") if isinstance(details, Mapping) else None
     if not is_int(value) or value < 0:
         raise ProtocolError(f"{where}: usage.prompt_tokens_details.cached_tokens={value!r}: expected an int >= 0",

@@ -109,5 +109,9 @@ def test_a_scheduler_that_cannot_recover_fails_fast_with_the_reason_and_health_s
     assert refused.value.reason == reason and isinstance(refused.value, EngineClosed)  # retryable elsewhere
     with pytest.raises(EngineFailedError):
         eng.warmup()
-    health = TestClient(create_app(eng, warmup=False)).get("/health")
+    http = TestClient(create_app(eng, warmup=False))
+    health = http.get("/health")
     assert health.status_code == 503 and health.json() == {"status": "failed", "reason": reason}
+    answer = http.post("/v1/generate", json={"prompt_ids": [1, 2], "sampling_params": {"max_tokens": 2}})
+    assert answer.status_code == 503 and answer.json()["error"] == "engine_failed"  # retry on another replica
+    assert reason in answer.json()["detail"]

@@ -214,3 +214,6 @@ def test_bias_update_rate_moves_the_router_biases_by_the_replayed_load(tx, rollo
             float(np.mean(load.max(-1) / load.mean(-1))), rel=1e-5)
     with pytest.raises(ValueError, match=r"LossConfig.bias_update_rate=-1.0: expected >= 0"):
         train.LossConfig(bias_update_rate=-1.0)
+    soft = train.init_train_state(MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0)), tx)  # no router_bias
+    with pytest.raises(ValueError, match=r"LossConfig.bias_update_rate=0.01: expected 0 for a model without router_bias"):
+        train.train_step(soft, b, replay="rollout", config=train.LossConfig(bias_update_rate=rate))

@@ -185,15 +185,13 @@ def test_client_refuses_missing_routes_and_wrong_rows():
 def test_cached_tokens_are_never_read_as_zero():
     """``prompt_tokens_details: null`` (vLLM without --enable-prompt-tokens-details) is an unknown
     count, not 0; a details object without an int count is a broken answer."""
-    from r3jax.serve.peers.common import UNKNOWN_COUNT
-
     req = GenerateRequest(prompt_ids=[1, 2], max_tokens=1, return_logprobs=False)
     answer = {"choices": [{"token_ids": [3], "finish_reason": "length"}], "usage": {"prompt_tokens": 2}}
     read = lambda usage: vllm.parse_completion_response({**answer, "usage": usage}, req, num_experts=E,
                                                         num_layers=L, top_k=K).cached_tokens
     assert read({"prompt_tokens_details": {"cached_tokens": 0}}) == 0
     assert read({"prompt_tokens_details": {"cached_tokens": 7}}) == 7
-    assert read({"prompt_tokens_details": None}) == UNKNOWN_COUNT and read({}) == UNKNOWN_COUNT
+    assert read({"prompt_tokens_details": None}) is None and read({}) is None
     for details in ({}, {"cached_tokens": None}, {"cached_tokens": "3"}, {"cached_tokens": -1}, [3]):
         with pytest.raises(ProtocolError, match="cached_tokens") as err:
             read({"prompt_tokens_details": details})
