@@ -169,4 +169,5 @@ def test_bias_update_on_the_model_state_follows_the_load():
         np.testing.assert_allclose(new_b - old_b, 0.01 * np.sign(load[m].mean() - load[m]), atol=1e-7)
     soft_cfg, soft = _model("softmax_renorm")
     _, _, soft_rest = nnx.split(soft, nnx.Param, ...)
-    assert routers.update_state_biases(soft_rest, out.expert_load, soft_cfg.moe_layer_ids, 0.01) is soft_rest
+    with pytest.raises(ValueError, match="LossConfig.bias_update_rate=0.01: expected 0 for a model without router_bias"):
+        routers.update_state_biases(soft_rest, out.expert_load, soft_cfg.moe_layer_ids, 0.01)  # nothing to update
