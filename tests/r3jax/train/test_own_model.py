@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 import models
+from models.axes import EXPERT_IN, EXPERT_OUT
 from r3jax import handoff, routes as wire, train
 from r3jax.batch import collate
 from r3jax.checks import FieldError
@@ -52,12 +53,15 @@ class OwnMoe(nnx.Module):
     def __init__(self, config, *, rngs: nnx.Rngs):
         c = self.config = config
         d, e, i, v = c.hidden_size, c.num_experts, c.moe_intermediate_size, c.vocab_size
-        p = lambda *shape: nnx.Param(_init(rngs.params(), shape, jnp.float32))
-        self.embed, self.pos_embed = p(v, d), p(MAX_POS, d)
-        self.wq, self.wk, self.wv, self.wo = p(d, d), p(d, d), p(d, d), p(d, d)
-        self.router = p(d, e)
-        self.gate_proj, self.up_proj, self.down_proj = p(e, d, i), p(e, d, i), p(e, i, d)
-        self.lm_head = p(d, v)
+        # each parameter names its logical axes (models/axes.py): the one table then places it on a mesh
+        p = lambda axes, *shape: nnx.Param(_init(rngs.params(), shape, jnp.float32), logical_axes=axes)
+        self.embed, self.pos_embed = p(("vocab", "embed"), v, d), p((None, "embed"), MAX_POS, d)
+        self.wq, self.wk, self.wv = (p(("embed", "heads"), d, d) for _ in range(3))
+        self.wo = p(("heads", "embed"), d, d)
+        self.router = p(("embed", "expert_logits"), d, e)
+        self.gate_proj, self.up_proj = p(EXPERT_IN, e, d, i), p(EXPERT_IN, e, d, i)
+        self.down_proj = p(EXPERT_OUT, e, i, d)
+        self.lm_head = p(("embed", "vocab"), d, v)
 
     @property
     def moe_layer_ids(self):
