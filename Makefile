@@ -31,7 +31,7 @@ demo: $(STAMP)
 
 # Every experiment script (tables on stdout, JSON/PNG under experiments/results/, each JSON recording the
 # commit it ran on; commit first, or the figures are marked dirty and docs/measurements.md will not quote
-# them). Slow on CPU (hours: replay_rl alone is about two). One skip: the TPU memory plan needs its own
+# them). Slow on CPU (replay_rl is the longest). One skip: the TPU memory plan needs its own
 # venv, run it with `make scale-plan`. BENCH_ARGS passes options to every script (e.g. --quick); the demo
 # (experiments.train_multiturn, published to experiments/results/demo_summary.json) takes DEMO_ARGS.
 # Then `python -m experiments.readme_tables --write` regenerates docs/measurements.md and the README figures.
