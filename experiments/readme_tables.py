@@ -290,12 +290,15 @@ def scale_plan() -> tuple[str, bool]:
 
     commits = sorted({c["commit"] for c in clean})
     out = (head + f"Measured by `make scale-plan` on commit{'s' if len(commits) > 1 else ''} "
-           + ", ".join(f"`{c}`" for c in commits) + f" ({len(clean)} cells).\n\n"
-           + table(summary_rows(clean), COLUMNS) + "\n\nAmong the cells above:\n\n"
-           + "\n".join(f"- {line}" for line in smallest_lines(clean)) + "\n")
+           + ", ".join(f"`{c}`" for c in commits) + f" ({len(clean)} of {len(cells)} cells).\n\n"
+           + table(summary_rows(clean), COLUMNS) + "\n")
     if len(clean) < len(cells):
-        out += (f"\n{len(cells) - len(clean)} further cells are not measured on a released commit yet: run "
-                "`make scale-plan`.\n")
+        # "smallest fitting slice" over a subset would name the wrong slice: wait for every cell
+        out += (f"\nThe other {len(cells) - len(clean)} cells, and the smallest slice each model fits, are not "
+                "measured on a released commit yet: run `make scale-plan`.\n")
+    else:
+        out += "\nSmallest fitting slice per model and program:\n\n" + "\n".join(
+            f"- {line}" for line in smallest_lines(clean)) + "\n"
     return out, True
 
 

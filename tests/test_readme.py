@@ -114,3 +114,20 @@ def test_is_clean():
     assert not is_clean({"commit": "abc1234", "dirty": True})
     assert not is_clean({"commit": "unknown", "dirty": False})
     assert not is_clean({"rows": []})                      # no record: unproven
+
+
+def test_scale_plan_quotes_clean_cells_and_no_smallest_slice_from_a_subset(monkeypatch):
+    def cell(topology, commit):
+        return {"model": "m", "topology": topology, "chips": 4, "program": "train", "commit": commit,
+                "mesh": {"data": 1, "fsdp": 4, "expert": 1}, "params_bytes": 2**30, "optimizer_bytes": 2**31,
+                "peak_bytes": 3 * 2**30, "hbm_bytes": 16 * 2**30, "status": "fits", "compile_s": 1.0,
+                "routes_bytes": 2**20, "routes_sharding": {"chip_shape": [1, 8, 2, 2]}}
+
+    cells = [cell("v5e:2x2", "abc1234"), cell("v5p:2x2x1", "abc1234-dirty")]
+    monkeypatch.setattr(readme_tables, "load", lambda name: {"cells": cells} if name == "scale_plan" else None)
+    md, quoted = readme_tables.scale_plan()
+    assert quoted and "(1 of 2 cells)" in md and "| m | v5e:2x2 |" in md
+    assert "v5p:2x2x1" not in md and "smallest fitting" not in md
+    cells[1]["commit"] = "abc1234"
+    md, _ = readme_tables.scale_plan()
+    assert "- m/train: smallest fitting v5e:2x2 (4 chips)" in md
