@@ -28,11 +28,14 @@ def provenance(root: Path = REPO) -> dict:
 
     dirty: tracked files differ from the commit (``git status --porcelain --untracked-files=no``),
     or git could not tell (no repository, no git): a figure then cannot be traced to a commit.
+    Result files themselves (experiments/results/) are outputs, not code: one experiment's fresh
+    results do not make the next experiment of ``make bench`` dirty.
     """
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                               text=True, timeout=10)
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+                                 f":(top,exclude){RESULTS.relative_to(REPO).as_posix()}"], cwd=root,
                                 capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return {"commit": "unknown", "dirty": True}

@@ -131,3 +131,26 @@ def test_scale_plan_quotes_clean_cells_and_no_smallest_slice_from_a_subset(monke
     cells[1]["commit"] = "abc1234"
     md, _ = readme_tables.scale_plan()
     assert "- m/train: smallest fitting v5e:2x2 (4 chips)" in md
+
+
+def test_provenance_marks_code_changes_but_not_fresh_results(tmp_path):
+    from experiments.common import provenance
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    (tmp_path / "experiments" / "results").mkdir(parents=True)
+    (tmp_path / "code.py").write_text("a = 1\n")
+    (tmp_path / "experiments" / "results" / "x.json").write_text("{}\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    assert provenance(tmp_path)["dirty"] is False
+    (tmp_path / "experiments" / "results" / "x.json").write_text('{"new": 1}\n')  # a run's output
+    (tmp_path / "notes.txt").write_text("untracked\n")
+    assert provenance(tmp_path)["dirty"] is False
+    (tmp_path / "code.py").write_text("a = 2\n")
+    prov = provenance(tmp_path)
+    assert prov["dirty"] is True and len(prov["commit"]) >= 7
+    assert provenance(tmp_path / "experiments") == prov  # the whole tree, wherever git runs
+    assert provenance(Path("/"))["dirty"] is True  # not a repository: cannot be traced
