@@ -197,9 +197,10 @@ class Section:
 
 SECTIONS = [
     Section("demo_summary", "The demo: multi-turn RL with and without replay", "python -m experiments.train_multiturn",
-            "`make demo`'s run (3 seeds × 20 RL steps per mode, tiny model, bf16 rollouts over HTTP, fp32 "
-            "trainer), published with its commit. Mean ± 95% CI half-width over seeds; reward_first / "
-            "reward_last: mean over the first / last quarter of the steps.", demo),
+            "`make demo`'s run (tiny model, bf16 rollouts over HTTP, fp32 trainer, with and without replay from "
+            "one warm start), published with its commit. Mean ± 95% CI half-width over seeds; reward_first / "
+            "reward_last: mean over the first / last quarter of the steps.",
+            lambda d: demo(d) + "\n\n![demo](../experiments/results/demo.png)"),
     Section("replay_rl", "Replay in RL: none, R2 and R3 with bf16 and int8 rollouts", "python -m experiments.replay_rl",
             "Seeds × {no replay, R2 (trainer routes), R3 (rollout routes)} × {bf16, int8 rollouts} from one "
             "warm start, PPO with two minibatch updates per batch, fp32 trainer, on a model with more experts "
