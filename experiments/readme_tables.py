@@ -210,7 +210,8 @@ SECTIONS = [
     Section("replay_mismatch", "Train–rollout mismatch with and without replay", "python -m experiments.replay_mismatch",
             "Random-init models; the engine samples in bf16 (and fp32, the same-dtype control); an fp32 trainer "
             "scores the same tokens with and without replay. `live_*`: the trainer router's own top-k against "
-            "the rollout's, which replay overrides but does not change.", replay_mismatch),
+            "the rollout's. Replay overrides the choice, not the router; but replayed layers feed later layers "
+            "hidden states closer to the rollout's, so their live choice moves too.", replay_mismatch),
     Section("routers", "Router families", "python -m experiments.routers",
             "bf16 engine rollouts scored by an fp32 trainer for each router family (softmax top-k; sigmoid with "
             "a selection bias and group limiting; the same with multi-head latent attention).", routers),
