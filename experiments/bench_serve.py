@@ -158,7 +158,9 @@ def main():
                 before = httpx.get(url + "/v1/stats").json()
                 times[("http", c)].append(http_pass(loop, clients[c], work))
                 after = httpx.get(url + "/v1/stats").json()
-                batches[c] = (after["batched_requests"] - before["batched_requests"]) / max(1, after["batches"] - before["batches"])
+                # mean live slots per decode call of the continuous-batching engine
+                e0, e1 = before["engine"], after["engine"]
+                batches[c] = (e1["decode_slot_steps"] - e0["decode_slot_steps"]) / max(1, e1["decode_calls"] - e0["decode_calls"])
                 times[("engine", c)].append(engine_pass(engine, work, c))
         compiled_while_timing = [b - a for a, b in zip(warm, programs())]
         rows = []
