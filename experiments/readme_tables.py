@@ -230,7 +230,8 @@ SECTIONS = [
             bench_trace),
     Section("bench_serve", "Serving", "python -m experiments.bench_serve",
             "Tiny model over HTTP through `RemoteInferenceClient` against the in-process engine on batches of the "
-            "same size; `vs_serial`: wall time of c concurrent requests ÷ c × one request's.", bench_serve),
+            "same size; `mean_server_batch`: live slots per decode call on the server; `vs_serial`: wall time of "
+            "c concurrent requests ÷ c × one request's.", bench_serve),
     Section("transfer_cost_route_heavy", "Transfer cost of multi-turn rollouts",
             "python -m experiments.transfer_cost --model route_heavy",
             "The same rollouts over HTTP with `routed_experts_prompt_start = trace.prompt_start` (incremental) "
