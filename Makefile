@@ -29,10 +29,21 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/python -m r3jax demo
 
-# Every experiment script (tables on stdout, JSON/PNG under experiments/results/). Slow on CPU.
+# Every experiment script (tables on stdout, JSON/PNG under experiments/results/, each JSON recording the
+# commit it ran on; commit first, or the figures are marked dirty and docs/measurements.md will not quote
+# them). Slow on CPU (replay_rl is the longest). One skip: the TPU memory plan needs its own
+# venv, run it with `make scale-plan`. BENCH_ARGS passes options to every script (e.g. --quick); the demo
+# (experiments.train_multiturn, published to experiments/results/demo_summary.json) takes DEMO_ARGS.
+# Then `python -m experiments.readme_tables --write` regenerates docs/measurements.md and the README figures.
+BENCH := bench_model bench_trace bench_decode bench_serve bench_engine transfer_cost replay_mismatch \
+	bench_scan bench_multiprocess bench_ep interop routers replay_rl
 bench: $(STAMP)
-	for m in bench_model bench_trace bench_decode bench_serve transfer_cost replay_mismatch bench_scan bench_multiprocess bench_ep; do \
+	@echo "make bench: skipping scale_plan (needs the TPU compiler venv): run 'make scale-plan'"
+	for m in $(BENCH); do \
 	  $(VENV)/bin/python -m experiments.$$m $(BENCH_ARGS) || exit 1; done
+	$(VENV)/bin/python -m experiments.transfer_cost --model route_heavy $(BENCH_ARGS)
+	$(VENV)/bin/python -m experiments.train_multiturn $(DEMO_ARGS)
+	$(VENV)/bin/python -m experiments.readme_tables --write
 
 # Memory and compile plan on real TPU topologies (experiments/scale_plan.py): a venv of its own with the
 # tpu-aot extra (jax[tpu] and its libtpu, which compiles for TPU slices on this CPU host), kept apart

@@ -1,10 +1,14 @@
-"""Render the README's measurement tables from experiments/results/*.json (the latest runs).
+"""Render docs/measurements.md and the README's demo result from experiments/results/*.json.
 
     python -m experiments.readme_tables [--write]
 
-Prints the Markdown for every placeholder; ``--write`` replaces the tables between the
-``<!-- NAME -->`` / ``<!-- /NAME -->`` markers in README.md, so the README always shows the
-numbers of the JSON files on disk.
+Only result files written on a clean tree are quoted (``experiments.common.is_clean``: the file
+records a commit and ``dirty: false``; scale-plan cells each record their own). A file without that
+record, or written with uncommitted changes, gets a line saying which command to re-run instead of
+its table. Speed ratios against a peer are shown only for decodes that produced the peer's tokens,
+and metrics that replay forces to zero (disagreement of the routes *used*) are left out.
+``--write`` rewrites docs/measurements.md and the blocks between ``<!-- NAME -->`` / ``<!-- /NAME -->``
+markers in README.md; without it the Markdown is printed.
 """
 
 from __future__ import annotations
@@ -12,20 +16,33 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from experiments.common import RESULTS, table
+from experiments.common import RESULTS, is_clean, table
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+MEASUREMENTS = ROOT / "docs" / "measurements.md"
 
 
-def _load(name):
+def load(name: str) -> dict | None:
     path = RESULTS / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _cols(rows: list[dict], wanted: list[str]) -> list[str]:
+    """The wanted columns that the rows have (metric names may differ between runs)."""
+    return [c for c in wanted if rows and c in rows[0]]
+
+
+def _t(rows: list[dict], wanted: list[str]) -> str:
+    return table(rows, _cols(rows, wanted)) if rows else "(no rows)"
+
+
 def _pm(value):
-    """``[mean, ci95]`` pairs (multi-seed summaries) as "m ± h"; seed lists as their count."""
+    """``[mean, ci95]`` pairs as "m ± h"; seed lists as their count."""
     if isinstance(value, list) and len(value) == 2 and all(isinstance(v, float) for v in value):
         return f"{value[0]:.3g} ± {value[1]:.2g}"
     if isinstance(value, list):
@@ -33,129 +50,317 @@ def _pm(value):
     return value
 
 
-def _t(rows, cols):
-    return table(rows, cols) if rows else "(not run yet)"
+def _same_tokens_only(rows: list[dict], ratio: str, same: str = "hf_same_tokens") -> list[dict]:
+    """A speed ratio against a peer counts only where the peer decoded the same tokens."""
+    return [{**r, ratio: r[ratio] if r.get(same) == 1 else "tokens differ"} for r in rows]
 
 
-def tables() -> dict[str, str]:
-    out = {}
-    d = _load("bench_model")
-    if d:
-        out["BENCH_MODEL"] = _t(d["rows"], ["config", "moe_impl", "B", "T", "live_tok_s", "replay_tok_s",
-                                            "replay_overhead"])
-    d = _load("bench_decode")
-    if d:
-        out["BENCH_DECODE"] = _t(d["decode"], ["config", "moe_impl", "B", "ours_capture_on_tok_s",
-                                               "ours_capture_off_tok_s", "capture_on_over_off", "hf_tok_s",
-                                               "ours_over_hf", "hf_same_tokens"])
-        out["BENCH_KERNELS"] = _t(d["kernels"], ["config", "moe_impl", "B", "tok_s"])
-        out["BENCH_MULTITURN"] = _t([m for m in d["multiturn"] if m["turn"] in (1, 2, 4, 8, 16)],
-                                    ["turn", "prompt_tokens", "cached_tokens", "prefill_tokens_with_cache",
-                                     "prefill_tokens_without_cache"])
-    d = _load("bench_trace")
-    if d:
-        out["BENCH_TRACE_TIME"] = _t(d["append"], ["turns", "MiB", "trace_ms", "naive_ms", "trace_us_per_turn",
-                                                   "naive_us_per_turn", "naive_over_trace"])
-        out["BENCH_TRACE_WIRE"] = _t([w for w in d["wire"] if w["rows"] > 1],
-                                     ["model", "dtype", "raw_B_row", "json_b64_B_row", "binary_B_row",
-                                      "json_over_raw", "binary_over_raw", "sglang_over_raw"])
-        out["BENCH_TRACE_FILL"] = _t(d["fill"], ["layout", "trajectories", "rows", "fill_ratio", "slots_vs_padded"])
-    d = _load("bench_serve")
-    if d:
-        out["BENCH_SERVE"] = (_t(d["throughput"], ["concurrency", "requests", "http_req_s", "http_tok_s",
-                                                  "engine_req_s", "http_vs_engine", "mean_server_batch",
-                                                  "vs_serial"]) + "\n\n"
-                              + _t(d["wire"], ["model", "raw_B_per_row", "json_B_per_row", "binary_B_per_row",
-                                               "json_vs_raw", "binary_vs_raw"]))
-    d = _load("transfer_cost_route_heavy") or _load("transfer_cost")
-    if d:
-        out["BENCH_TRANSFER"] = _t(d["ratios"], ["wire", "T", "expected_(T+1)/2", "rows_ratio",
-                                                 "wire_route_bytes_ratio", "server_gather_ratio",
-                                                 "server_encode_ratio", "client_decode_ratio"])
-        out["BENCH_TRANSFER_ABS"] = _t([r for r in d["rows"] if r["T"] == max(x["T"] for x in d["rows"])],
-                                       ["wire", "T", "mode", "rows", "raw_bytes", "wire_route_bytes",
-                                        "server_gather_ms", "server_encode_ms", "client_decode_ms"])
-    d = _load("bench_ep")
-    if d:
-        out["BENCH_EP"] = _t(d["cost"], ["kernel", "mesh", "layer", "flops_ratio", "bytes_ratio"])
-        out["BENCH_EP_TIME"] = _t(d["wall"], ["run", "step_s", "vs_data8_replicated"])
-    d = _load("replay_mismatch")
-    if d:
-        # not routing_disagreement / token_any_disagreement: in older results those compare the routes
-        # replay used (the rollout's) with the rollout's, 0 under replay by construction
-        out["BENCH_REPLAY"] = _t(d["rows"], ["config", "rollout", "replay", "live_routing_disagreement",
-                                             "mean_abs_delta", "k3_kl", "f2"])
-        out["BENCH_REPLAY_TIME"] = ("Train step with replay ÷ without (fp32, bf16 batch; target ≤ 1.03): wall "
-                                    "time in interleaved pairs, and XLA's cost analysis of the two compiled "
-                                    "programs.\n\n" + _t(d.get("timing", []), [
-                                        "config", "tokens", "step_s_live", "step_s_replay", "replay_step_ratio",
-                                        "ratio_of_min", "xla_flops_ratio", "xla_bytes_ratio", "reps"]))
-    d = _load("interop")
-    if d:
-        out["INTEROP_CODEC"] = _t(d["codec"], ["model", "protocol", "raw_B_row", "route_B_row", "over_raw",
-                                               "route_B_row_vs_r3jax", "encode_us_row", "encode_us_row_vs_r3jax",
-                                               "decode_us_row", "decode_us_row_vs_r3jax"])
-        out["INTEROP_HTTP"] = _t(d["http"], ["protocol", "requests", "concurrency", "req_s", "req_s_vs_r3jax"])
-    d = _load("replay_rl")
-    if d and d.get("complete"):
-        rows = [{"arm": arm, "seeds": a["seeds"],
-                 "final_reward": f"{a['final_reward_mean']:.3f} ± {a['final_reward_ci95']:.3f}",
-                 "collapses": a["collapses"], "k3_kl median / p99": f"{a['k3_kl_median']:.2g} / {a['k3_kl_p99']:.2g}",
-                 "mean_abs_delta median / p99": f"{a['mean_abs_delta_median']:.3g} / {a['mean_abs_delta_p99']:.3g}",
-                 "clip_fraction": a["clip_fraction"], "grad_norm": a["grad_norm"],
-                 "live_routing_disagreement": a["live_routing_disagreement"]} for arm, a in d["arms"].items()]
-        paired = [{"precision": c["precision"], "comparison": c["comparison"], "seeds": c["seeds"],
-                   "final reward, arm − none": f"{c['final_reward_diff']:+.4f} ± {c['ci95']:.4f}: {c['verdict']}",
-                   "mean k3 KL, arm ÷ none": f"×{c['k3_ratio']:.2f} [{c['k3_ratio_ci95'][0]:.2f}, "
-                                             f"{c['k3_ratio_ci95'][1]:.2f}]: {c['k3_verdict']}",
-                   "mean abs Δ, arm − none": f"{c['abs_delta_diff']:+.2e} ± {c['abs_delta_ci95']:.1e}: "
-                                             f"{c['abs_delta_verdict']}"} for c in d["comparisons"]]
-        out["REPLAY_RL"] = _t(rows, list(rows[0])) + "\n\n" + _t(paired, list(paired[0]))
-    d = _load("bench_scan")
-    if d:
-        out["BENCH_SCAN"] = _t(d["summary"], ["depth", "layout", "unrolled_compile_s", "scanned_compile_s", "ratio",
-                                              "unrolled_cpu_s", "scanned_cpu_s", "cpu_ratio"])
-        out["BENCH_SCAN_DECODE"] = _t(d.get("decode", []), ["depth", "layout", "B", "S", "ms_per_step",
-                                                            "scanned_over_unrolled"])
-    d = _load("bench_multiprocess")
-    if d:
-        out["BENCH_MULTIPROCESS"] = _t(d["results"], ["mesh", "B", "S", "one_ms", "one_gloo_ms", "two_ms",
-                                                      "ratio", "ratio_gloo"])
-    d = _load("scale_plan")
-    if d:
-        from experiments.scale_plan import COLUMNS, smallest_lines, summary_rows
+# --- renderers: result dict -> Markdown ----------------------------------------------------------
 
-        out["SCALE_PLAN"] = _t(summary_rows(d["cells"]), COLUMNS) + "\n\n" + "\n".join(
-            f"- {line}" for line in smallest_lines(d["cells"]))
-    d = _load("demo_summary")
-    if d:
-        cols = ["run", "seeds", "steps", "reward_first", "reward_last", "collapses", "k3_kl", "mean_abs_delta",
-                "live_routing_disagreement"]
-        rows = [{c: _pm(r.get(c)) for c in cols} for r in d["runs"]]
-        effect = d.get("replay_effect")
-        out["DEMO_RESULTS"] = _t(rows, cols) + ("" if not effect else (
-            f"\n\nReplay − no replay, {effect['metric']}, paired over seeds {effect['seeds']}: "
-            f"{effect['replay_minus_none']:+.3g} ± {effect['ci95']:.2g} (95% CI): {effect['verdict']}."))
+def demo(d: dict) -> str:
+    cols = ["run", "seeds", "steps", "reward_first", "reward_last", "collapses", "k3_kl", "mean_abs_delta",
+            "live_routing_disagreement"]
+    rows = [{c: _pm(r.get(c)) for c in cols if c in r} for r in d["runs"]]
+    out = _t(rows, cols)
+    e = d.get("replay_effect")
+    if e:
+        out += (f"\n\nReplay − no replay, {e['metric']}, paired over seeds {e['seeds']}: "
+                f"{e['replay_minus_none']:+.3g} ± {e['ci95']:.2g} (95% CI): {e['verdict']}.")
     return out
 
 
-def write(readme: Path = README) -> None:
-    text = readme.read_text()
-    for name, md in tables().items():
-        block = f"<!-- {name} -->\n{md}\n<!-- /{name} -->"
+def replay_rl(d: dict) -> str:
+    rows = [{"arm": arm, "seeds": a["seeds"],
+             "final_reward": f"{a['final_reward_mean']:.3f} ± {a['final_reward_ci95']:.3f}",
+             "collapses": a["collapses"], "k3_kl median / p99": f"{a['k3_kl_median']:.2g} / {a['k3_kl_p99']:.2g}",
+             "mean_abs_delta median / p99": f"{a['mean_abs_delta_median']:.3g} / {a['mean_abs_delta_p99']:.3g}",
+             "clip_fraction": a["clip_fraction"], "grad_norm": a["grad_norm"],
+             "live_routing_disagreement": a.get("live_routing_disagreement", "")} for arm, a in d["arms"].items()]
+    paired = [{"precision": c["precision"], "comparison": c["comparison"], "seeds": c["seeds"],
+               "final reward, arm − none": f"{c['final_reward_diff']:+.4f} ± {c['ci95']:.4f}: {c['verdict']}",
+               "mean k3 KL, arm ÷ none": f"×{c['k3_ratio']:.2f} [{c['k3_ratio_ci95'][0]:.2f}, "
+                                         f"{c['k3_ratio_ci95'][1]:.2f}]: {c['k3_verdict']}",
+               "mean abs Δ, arm − none": f"{c['abs_delta_diff']:+.2e} ± {c['abs_delta_ci95']:.1e}: "
+                                         f"{c['abs_delta_verdict']}"} for c in d.get("comparisons", [])]
+    out = table(rows, list(rows[0]))
+    if paired:
+        out += "\n\n" + table(paired, list(paired[0]))
+    return out + "\n\n![replay_rl](../experiments/results/replay_rl.png)"
+
+
+MISMATCH = ["config", "rollout", "replay", "live_routing_disagreement", "live_token_any_disagreement",
+            "mean_abs_delta", "k3_kl", "f2"]
+STEP_COST = ["config", "tokens", "step_s_live", "step_s_replay", "replay_step_ratio", "ratio_of_min",
+             "xla_flops_ratio", "xla_bytes_ratio", "reps"]
+
+
+def replay_mismatch(d: dict) -> str:
+    return (_t(d["rows"], MISMATCH) + "\n\nTrain step with replay ÷ without (wall time in interleaved pairs, "
+            "and XLA's cost analysis of the two compiled programs):\n\n" + _t(d.get("timing", []), STEP_COST))
+
+
+def routers(d: dict) -> str:
+    return (_t(d["mismatch"], MISMATCH) + "\n\n" + _t(d.get("timing", []), STEP_COST) + "\n\nRoute bytes per "
+            "token row by preset:\n\n" + _t(d.get("route_bytes", []), ["preset", "moe_layers", "E", "K", "dtype",
+                                                                      "bytes_per_row", "mib_per_32k_tokens"]))
+
+
+def bench_model(d: dict) -> str:
+    return _t(d["rows"], ["config", "moe_impl", "B", "T", "live_tok_s", "replay_tok_s", "replay_overhead"])
+
+
+def bench_decode(d: dict) -> str:
+    rows = _same_tokens_only(d["decode"], "ours_over_hf")
+    return (_t(rows, ["config", "moe_impl", "B", "ours_capture_on_tok_s", "ours_capture_off_tok_s",
+                      "capture_on_over_off", "hf_tok_s", "ours_over_hf", "hf_same_tokens"])
+            + "\n\nExpert kernels inside the engine (tokens/s):\n\n"
+            + _t(d["kernels"], ["config", "moe_impl", "B", "tok_s"])
+            + "\n\nPrefix cache over a growing conversation (cumulative prefill tokens):\n\n"
+            + _t([m for m in d["multiturn"] if m["turn"] in (1, 2, 4, 8, 16)],
+                 ["turn", "prompt_tokens", "cached_tokens", "prefill_tokens_with_cache",
+                  "prefill_tokens_without_cache"]))
+
+
+def bench_engine(d: dict) -> str:
+    ip = d["in_process"]
+    facts = [{"measure": "32 concurrent requests ÷ one request (in process)", "value": ip["32_concurrent_over_one"]},
+             {"measure": "time to first token p50 / p99, s", "value": f"{ip['ttft_p50_s']:.3g} / {ip['ttft_p99_s']:.3g}"},
+             {"measure": f"programs compiled after warm-up over {ip['varied_requests']} varied requests",
+              "value": ip["programs_compiled_after_warmup"]},
+             {"measure": "warm-up in process: programs / s",
+              "value": f"{ip['in_process_warmup']['programs']} / {ip['in_process_warmup']['seconds']:.3g}"}]
+    return (_t(d["agents"], ["server", "workload", "wall_s", "tokens", "tok_s", "decode_calls", "mean_live_slots"])
+            + "\n\n" + table(facts, ["measure", "value"]) + "\n\nDecode against Hugging Face `generate` on the "
+            "same weights:\n\n" + _t(_same_tokens_only(d["decode"], "ours_over_hf"),
+                                     ["config", "moe_impl", "B", "new_tokens", "ours_tok_s", "hf_tok_s",
+                                      "ours_over_hf", "hf_same_tokens"]))
+
+
+def bench_trace(d: dict) -> str:
+    return (_t(d["append"], ["turns", "MiB", "trace_ms", "naive_ms", "trace_us_per_turn", "naive_us_per_turn",
+                             "naive_over_trace"])
+            + "\n\nBytes on the wire per route row:\n\n"
+            + _t([w for w in d["wire"] if w["rows"] > 1], ["model", "dtype", "raw_B_row", "json_b64_B_row",
+                                                         "binary_B_row", "json_over_raw", "binary_over_raw",
+                                                         "sglang_over_raw"])
+            + "\n\nPadded vs packed batches on a long-tailed length mix:\n\n"
+            + _t(d["fill"], ["layout", "trajectories", "rows", "fill_ratio", "slots_vs_padded"]))
+
+
+def bench_serve(d: dict) -> str:
+    return (_t(d["throughput"], ["concurrency", "requests", "http_req_s", "http_tok_s", "engine_req_s",
+                                 "http_vs_engine", "mean_server_batch", "vs_serial"]) + "\n\n"
+            + _t(d["wire"], ["model", "raw_B_per_row", "json_B_per_row", "binary_B_per_row", "json_vs_raw",
+                             "binary_vs_raw"]))
+
+
+def transfer_cost(d: dict) -> str:
+    last = max(x["T"] for x in d["rows"])
+    return (_t(d["ratios"], ["wire", "T", "expected_(T+1)/2", "rows_ratio", "wire_route_bytes_ratio",
+                             "server_gather_ratio", "server_encode_ratio", "client_decode_ratio"])
+            + f"\n\nAt T = {last} (absolute):\n\n"
+            + _t([r for r in d["rows"] if r["T"] == last], ["wire", "T", "mode", "rows", "raw_bytes",
+                                                           "wire_route_bytes", "server_gather_ms",
+                                                           "server_encode_ms", "client_decode_ms"]))
+
+
+def interop(d: dict) -> str:
+    return (_t(d["codec"], ["model", "protocol", "raw_B_row", "route_B_row", "over_raw", "route_B_row_vs_r3jax",
+                            "encode_us_row", "encode_us_row_vs_r3jax", "decode_us_row", "decode_us_row_vs_r3jax"])
+            + "\n\n" + _t(d["http"], ["protocol", "requests", "concurrency", "req_s", "req_s_vs_r3jax"]))
+
+
+def bench_scan(d: dict) -> str:
+    return (_t(d["summary"], ["depth", "layout", "unrolled_compile_s", "scanned_compile_s", "ratio",
+                              "unrolled_cpu_s", "scanned_cpu_s", "cpu_ratio"])
+            + "\n\nDecode through the KV cache:\n\n"
+            + _t(d.get("decode", []), ["depth", "layout", "B", "S", "ms_per_step", "scanned_over_unrolled"]))
+
+
+def bench_ep(d: dict) -> str:
+    return (_t(d["cost"], ["kernel", "mesh", "layer", "flops_ratio", "bytes_ratio"]) + "\n\nStep wall time:\n\n"
+            + _t(d["wall"], ["run", "step_s", "vs_data8_replicated"]))
+
+
+def bench_multiprocess(d: dict) -> str:
+    return _t(d["results"], ["mesh", "B", "S", "one_ms", "one_gloo_ms", "two_ms", "ratio", "ratio_gloo"])
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str            # experiments/results/<name>.json
+    title: str
+    command: str
+    about: str
+    render: Callable[[dict], str]
+
+
+SECTIONS = [
+    Section("demo_summary", "The demo: multi-turn RL with and without replay", "python -m experiments.train_multiturn",
+            "`make demo`'s run (tiny model, bf16 rollouts over HTTP, fp32 trainer, with and without replay from "
+            "one warm start), published with its commit. Mean ± 95% CI half-width over seeds; reward_first / "
+            "reward_last: mean over the first / last quarter of the steps.",
+            lambda d: demo(d) + "\n\n![demo](../experiments/results/demo.png)"),
+    Section("replay_rl", "Replay in RL: none, R2 and R3 with bf16 and int8 rollouts", "python -m experiments.replay_rl",
+            "Seeds × {no replay, R2 (trainer routes), R3 (rollout routes)} × {bf16, int8 rollouts} from one "
+            "warm start, PPO with two minibatch updates per batch, fp32 trainer, on a model with more experts "
+            "(E = 64, top-8) so that the mismatch is material. Final reward: mean over the last quarter of the "
+            "steps ± 95% CI over seeds; k3 KL and mean |Δ logprob| as median / p99 over all steps; a collapse "
+            "is a reward below half its peak for 5 steps.", replay_rl),
+    Section("replay_mismatch", "Train–rollout mismatch with and without replay", "python -m experiments.replay_mismatch",
+            "Random-init models; the engine samples in bf16 (and fp32, the same-dtype control); an fp32 trainer "
+            "scores the same tokens with and without replay. `live_*`: the trainer router's own top-k against "
+            "the rollout's. Replay overrides the choice, not the router; but replayed layers feed later layers "
+            "hidden states closer to the rollout's, so their live choice moves too.", replay_mismatch),
+    Section("routers", "Router families", "python -m experiments.routers",
+            "bf16 engine rollouts scored by an fp32 trainer for each router family (softmax top-k; sigmoid with "
+            "a selection bias and group limiting; the same with multi-head latent attention).", routers),
+    Section("bench_model", "Model forward: replay overhead", "python -m experiments.bench_model",
+            "time(forward with replay) ÷ time(live forward), same batch, same run.", bench_model),
+    Section("bench_decode", "Decode", "python -m experiments.bench_decode",
+            "Greedy decode with routes captured against Hugging Face transformers `generate` (torch, fp32) on the "
+            "same weights exported by `models.hf.save_pretrained`. `hf_same_tokens`: fraction of rows whose "
+            "continuation equals ours token for token; a speed ratio is shown only where it is 1.", bench_decode),
+    Section("bench_engine", "Continuous batching", "python -m experiments.bench_engine",
+            "Async multi-turn agents over HTTP on a long-tailed mix of turn lengths, continuous batching against "
+            "the `--static` batch-to-completion path; in-process latency and compilation counts.", bench_engine),
+    Section("bench_trace", "Routes, trace, batches", "python -m experiments.bench_trace",
+            "Append + finalize of a `RoutedExpertTrace` (Qwen3-30B-A3B route shape) against re-concatenating the "
+            "whole prefix every turn; bytes per route row in each wire form; padded against packed batches.",
+            bench_trace),
+    Section("bench_serve", "Serving", "python -m experiments.bench_serve",
+            "Tiny model over HTTP through `RemoteInferenceClient` against the in-process engine on batches of the "
+            "same size; `mean_server_batch`: live slots per decode call on the server; `vs_serial`: wall time of "
+            "c concurrent requests ÷ c × one request's.", bench_serve),
+    Section("transfer_cost_route_heavy", "Transfer cost of multi-turn rollouts",
+            "python -m experiments.transfer_cost --model route_heavy",
+            "The same rollouts over HTTP with `routed_experts_prompt_start = trace.prompt_start` (incremental) "
+            "and with start 0 every turn (full re-gather), on a model with Qwen3-30B-A3B's route shape. Ratios "
+            "are full ÷ incremental; rows are expected to grow as (T+1)/2.", transfer_cost),
+    Section("interop", "Route forms per protocol", "python -m experiments.interop",
+            "One 640-row chunk per answer, encoded by the server and decoded by the client in each protocol's "
+            "form, per route row and against r3jax's JSON form; then requests/s at concurrency 8 over HTTP.",
+            interop),
+    Section("bench_scan", "Scanned layers: compile time against depth", "python -m experiments.bench_scan",
+            "Compile seconds of the jitted train step with scanned and unrolled layers, all-MoE models of tiny "
+            "widths; `scanned_loop` forces a real loop where a short run is lowered unrolled by default.",
+            bench_scan),
+    Section("bench_ep", "Expert parallelism", "python -m experiments.bench_ep",
+            "Per-device flops and bytes of the compiled train step on 8 simulated devices ÷ the one-device "
+            "program's (ideal 0.125); `shard_map` is the expert-parallel layer, `partitioner` the same step with "
+            "the MoE layers left to XLA's partitioner.", bench_ep),
+    Section("bench_multiprocess", "Multi-process training", "python -m experiments.bench_multiprocess",
+            "Step time of `python -m r3jax train` on one 8-device mesh: one plain process, one process in a "
+            "1-process distributed job (gloo) and two processes of 4 devices (gloo over loopback). On one "
+            "host this measures coordination overhead, not scaling.", bench_multiprocess),
+]
+
+
+def provenance_line(d: dict, command: str) -> str:
+    env = d.get("environment") or {}
+    where = ", ".join(x for x in (env.get("backend") and f"{env['backend']}",
+                                  env.get("device_count") and f"{env['device_count']} device(s)",
+                                  env.get("cpu_count") and f"{env['cpu_count']} CPU cores") if x)
+    quick = " (`--quick`)" if d.get("quick") else ""
+    return f"Measured by `{d.get('command') or command}`{quick} on commit `{d['commit']}`" + (f" ({where})." if where else ".")
+
+
+def rerun_line(command: str) -> str:
+    return f"Not measured on a released commit yet: run `{command}`."
+
+
+def section(s: Section) -> tuple[str, bool]:
+    """(Markdown of one section, whether it quotes figures)."""
+    d = load(s.name)
+    head = f"## {s.title}\n\n{s.about}\n\n"
+    if d is None or not is_clean(d):
+        return head + rerun_line(s.command) + "\n", False
+    return head + provenance_line(d, s.command) + "\n\n" + s.render(d) + "\n", True
+
+
+def scale_plan() -> tuple[str, bool]:
+    head = ("## Memory and compile plan on TPU slices\n\nlibtpu compiles the R3 train step and the engine's "
+            "decode step for the devices of real TPU slices on a CPU host (nothing is allocated); the per-chip "
+            "peak is XLA's `memory_analysis()`, and a program that does not fit is refused with "
+            "RESOURCE_EXHAUSTED as on the slice (`>`: what libtpu said it needed). Workload: an RL batch of "
+            "256 sequences × 8192 tokens; see [scaling.md](scaling.md) for the layouts.\n\n")
+    d = load("scale_plan")
+    cells = (d or {}).get("cells", [])
+    clean = [c for c in cells if is_clean(c)]
+    if not clean:
+        return head + rerun_line("make scale-plan") + "\n", False
+    from experiments.scale_plan import COLUMNS, smallest_lines, summary_rows
+
+    commits = sorted({c["commit"] for c in clean})
+    out = (head + f"Measured by `make scale-plan` on commit{'s' if len(commits) > 1 else ''} "
+           + ", ".join(f"`{c}`" for c in commits) + f" ({len(clean)} of {len(cells)} cells).\n\n"
+           + table(summary_rows(clean), COLUMNS) + "\n")
+    if len(clean) < len(cells):
+        # "smallest fitting slice" over a subset would name the wrong slice: wait for every cell
+        out += (f"\nThe other {len(cells) - len(clean)} cells, and the smallest slice each model fits, are not "
+                "measured on a released commit yet: run `make scale-plan`.\n")
+    else:
+        out += "\nSmallest fitting slice per model and program:\n\n" + "\n".join(
+            f"- {line}" for line in smallest_lines(clean)) + "\n"
+    return out, True
+
+
+def measurements() -> str:
+    parts, todo = [], []
+    for s in SECTIONS:
+        md, quoted = section(s)
+        parts.append(md)
+        if not quoted:
+            todo.append(f"- {s.title}: `{s.command}`")
+    md, quoted = scale_plan()
+    parts.append(md)
+    if not quoted:
+        todo.append("- Memory and compile plan on TPU slices: `make scale-plan`")
+    intro = ("# Measurements\n\n<!-- Generated by `python -m experiments.readme_tables --write` from "
+             "experiments/results/*.json; edit that script, not this file. -->\n\n"
+             "Every table here comes from the result file of the command named, and is shown only when that "
+             "file records a commit and a clean tree. Ratios are always from the same run; absolute times depend "
+             "on the machine and its load (each file records its environment). `make bench` runs "
+             "every experiment; `python -m experiments.readme_tables --write` then regenerates this page.\n\n")
+    if todo:
+        intro += "To re-run on a released commit (no figures are quoted for these yet):\n\n" + "\n".join(todo) + "\n\n"
+    return intro + "\n".join(parts)
+
+
+def readme_blocks() -> dict[str, str]:
+    """The README's generated blocks: the demo's result and figure, or how to produce them."""
+    d = load("demo_summary")
+    if d is None or not is_clean(d):
+        return {"DEMO_RESULTS": "No published demo result yet: `python -m experiments.train_multiturn` runs the "
+                                "demo and publishes its table and plot here."}
+    return {"DEMO_RESULTS": provenance_line(d, "python -m experiments.train_multiturn") + "\n\n" + demo(d)
+            + "\n\n![demo](experiments/results/demo.png)"}
+
+
+def fill_markers(text: str, blocks: dict[str, str]) -> str:
+    for name, md in blocks.items():
         pattern = re.compile(rf"<!-- {name} -->.*?<!-- /{name} -->", re.S)
-        text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.replace(name, block, 1)
-    readme.write_text(text)
+        text = pattern.sub(lambda _: f"<!-- {name} -->\n{md}\n<!-- /{name} -->", text)
+    return text
+
+
+def write(readme: Path = README, page: Path = MEASUREMENTS) -> None:
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text(measurements())
+    readme.write_text(fill_markers(readme.read_text(), readme_blocks()))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--write", action="store_true", help="update README.md in place")
+    ap.add_argument("--write", action="store_true", help="rewrite docs/measurements.md and README.md's blocks")
     args = ap.parse_args()
     if args.write:
         write()
-    for name, md in tables().items():
-        print(f"## {name}\n{md}\n")
+        print(f"wrote {MEASUREMENTS} and the generated blocks of {README}")
+    else:
+        print(measurements())
+        for name, md in readme_blocks().items():
+            print(f"<!-- {name} -->\n{md}\n")
 
 
 if __name__ == "__main__":

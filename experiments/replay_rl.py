@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from experiments.common import run_provenance
 from models import MoeConfig, MoeTransformer
 from models.quant import quantize_int8
 from r3jax import metrics as mm
@@ -254,7 +255,8 @@ def write_results(args, cfg, runs, t0, *, seeds_done: int, quiet: bool) -> dict:
     diffs = comparisons(runs, args.steps)
     name = "replay_rl_quick" if args.quick else "replay_rl"
     RESULTS.mkdir(exist_ok=True)
-    result = {"command": "python -m experiments.replay_rl" + (" --quick" if args.quick else ""),
+    result = {**run_provenance(),  # commit + dirty: only clean runs are quoted
+              "command": "python -m experiments.replay_rl" + (" --quick" if args.quick else ""),
               "complete": seeds_done == args.seeds, "seeds_done": seeds_done,
               "settings": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))},
               "model": {"num_experts": cfg.num_experts, "top_k": cfg.top_k,
