@@ -26,7 +26,7 @@ from r3jax.batch import DEFAULT_BUCKETS, bucket_length, collate, fill_ratio
 from r3jax.routes import decode, decode_binary, encode, encode_binary, route_dtype
 from r3jax.trace import RoutedExpertTrace
 
-MODELS = {  # name: (MoE layers L, experts E, top-k K), as in DESIGN.md §1
+MODELS = {  # name: (MoE layers L, experts E, top-k K), as in docs/design.md §1
     "Qwen3-30B-A3B": (48, 128, 8), "DeepSeek-V3": (58, 256, 8), "Kimi-K2": (60, 384, 8),
     "gpt-oss-120b": (36, 128, 4), "Mixtral-8x7B": (32, 8, 2),
 }

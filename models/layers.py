@@ -109,7 +109,7 @@ def attend(cfg: MoeConfig, q, k, v, positions, segment_ids=None, kv=None):
 
     if kv is None:
         # Causal by index within the row, never by position value: right padding (positions 0)
-        # then sits after every real token and stays invisible to them (DESIGN.md §5).
+        # then sits after every real token and stays invisible to them (docs/design.md §5).
         keys, values = k, v
         idx = jnp.arange(t)
         mask = jnp.broadcast_to(idx[None, :] <= idx[:, None], (b, t, t))  # [B, T, S=T]

@@ -1,7 +1,7 @@
 """Training batches: trajectories collated into a padded or packed ``[B, S]`` pytree.
 
 Every field is indexed by the absolute token position i of its row, so row i of ``routes`` is the
-route used when token i was fed as input (DESIGN.md §3) and ``loss_mask[i]`` marks token i as a
+route used when token i was fed as input (docs/design.md §3) and ``loss_mask[i]`` marks token i as a
 target predicted from the logits at i - 1 of the same segment.
 """
 
@@ -90,7 +90,7 @@ def _trajectory(i: int, traj: Any, num_layers: int, top_k: int, num_experts: int
         raise ValueError(f"trajectories[{i}].routes shape={routes.shape}: expected [N, L, K] = "
                          f"{(n, num_layers, top_k)}")
     captured = _vector(i, "captured", _get(traj, i, "captured"), n, "bool")
-    # Uncaptured rows are ignored (DESIGN.md §3), so only captured ones are checked; substituting
+    # Uncaptured rows are ignored (docs/design.md §3), so only captured ones are checked; substituting
     # 0..K-1 for the others keeps the token index in the message. bool/float keep their dtype and
     # are refused by the check.
     ids = routes

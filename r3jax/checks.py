@@ -4,7 +4,7 @@ Every path where a value enters r3jax (engine requests, HTTP bodies, peer protoc
 the trace, ``collate``) calls these, so each rule is written once:
 
 - :func:`check_int`: an int (never a bool) in a range.
-- :func:`check_prompt_start`: ``0 <= s <= P`` (DESIGN.md §3).
+- :func:`check_prompt_start`: ``0 <= s <= P`` (docs/design.md §3).
 - :func:`check_route_ids`: an integer (non-bool) array of expert ids in ``[0, E)``, distinct within
   each (token, layer), naming the token, layer and value it found.
 - :func:`check_logprobs_mode`: one of vLLM's logprobs-mode names r3jax offers (:data:`LOGPROBS_MODES`).

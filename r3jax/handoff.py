@@ -8,9 +8,9 @@ counts MoE layers in model order (the decoder slices ``[:, :, moe_layer_index, :
 whose first id is -1 marks a token without a recorded route. Note what MaxText does with such a
 row: it zeroes that token's top-k weights (the MoE block adds nothing for it) and routes it to dummy
 experts for load balance; it does not route it live. That is right for padding and for rows after
-the last loss-active target (DESIGN.md §4: no loss-active target sees them); see docs/peers.md.
+the last loss-active target (docs/design.md §4: no loss-active target sees them); see docs/peers.md.
 
-r3jax (DESIGN.md §3): ``routes [B, S, L, K]`` in ``route_dtype(E)`` and ``route_mask [B, S]`` bool,
+r3jax (docs/design.md §3): ``routes [B, S, L, K]`` in ``route_dtype(E)`` and ``route_mask [B, S]`` bool,
 False rows ignored (filled with ``0..K-1``). Here a False row becomes all -1 (every id, not only
 the first: a partly -1 row would index expert E - 1 in MaxText's gather) and back.
 """

@@ -1,4 +1,4 @@
-"""Train–inference mismatch metrics (DESIGN.md §6), defined once for the trainer, tests and experiments.
+"""Train–inference mismatch metrics (docs/design.md §6), defined once for the trainer, tests and experiments.
 
 All functions are pure ``jnp`` over ``[B, S]``-indexed arrays (numpy inputs work too) and are safe
 inside ``jax.jit``. Values outside a mask never reach a result, even if they are inf or NaN. A

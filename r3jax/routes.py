@@ -1,7 +1,7 @@
 """Route arrays: compact dtypes and the wire forms (JSON+base64, SGLang base64 int32, binary framing).
 
 A route payload is ``routes [rows, L, K]`` (expert ids of rows ``start .. start + rows - 1`` of one
-trajectory), the ``start`` row and the global ``layers`` ids of the L MoE layers (DESIGN.md §3).
+trajectory), the ``start`` row and the global ``layers`` ids of the L MoE layers (docs/design.md §3).
 Every decoder is strict: it checks the byte count, the dtype, 3 dims and the ids with
 :func:`r3jax.checks.check_route_ids` (integer, not bool or float; >= 0 and < E when E is known;
 distinct within each (token, layer)), and raises :class:`r3jax.checks.FieldError` (a ValueError)

@@ -122,7 +122,7 @@ class TokenMetadataTrace:
 
 @struct.dataclass
 class RoutedExpertTrace:
-    """Routes of one trajectory, recorded call by call (DESIGN.md §3–§5).
+    """Routes of one trajectory, recorded call by call (docs/design.md §3–§5).
 
     ``moe_layer_ids``: global ids of the L MoE layers, or None until the first ``record`` that
     names them. Row i of the trace is the route row of absolute token i.
@@ -189,7 +189,7 @@ class RoutedExpertTrace:
 
         Rows ``[0, prompt_start)`` are the recorded ones (captured True); later rows are filled
         with ``0..K-1`` and captured False. Raises if a loss-active target lies after the first
-        uncaptured position (``loss_mask[i] != 0`` for some ``i > prompt_start``, DESIGN.md §4).
+        uncaptured position (``loss_mask[i] != 0`` for some ``i > prompt_start``, docs/design.md §4).
         """
         s = self.prompt_start
         n = check_int("token_count", token_count)

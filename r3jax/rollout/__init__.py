@@ -1,4 +1,4 @@
-"""Multi-turn rollouts that build routed-expert traces incrementally (DESIGN.md §3–§5).
+"""Multi-turn rollouts that build routed-expert traces incrementally (docs/design.md §3–§5).
 
 ``AgentLoop(generator, env_factory, ...).run(n_prompts, samples_per_prompt) -> list[Trajectory]``
 against the in-process ``Engine`` or the ``RemoteInferenceClient``; built-in toy environments and

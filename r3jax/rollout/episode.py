@@ -3,7 +3,7 @@ exactly the rows each turn returns, and the environment it talks to.
 
 Every turn sends the whole conversation with ``routed_experts_prompt_start = trace.prompt_start``,
 so the generator returns only the route rows it has not sent before: every token's routes cross the
-wire once, O(N) in total instead of O(N^2) (DESIGN.md §1). ``full_regather`` sends start 0 and keeps
+wire once, O(N) in total instead of O(N^2) (docs/design.md §1). ``full_regather`` sends start 0 and keeps
 only the last turn's rows: the baseline for experiments and tests.
 """
 

@@ -1,7 +1,7 @@
 """A finished multi-turn rollout: tokens, masks, rollout logprobs, reward and per-token routes.
 
 Every per-token field is indexed by the absolute position i in ``tokens = prompt_ids +
-response_ids`` (N tokens), the same index as row i of ``routes`` (DESIGN.md §3), which is what
+response_ids`` (N tokens), the same index as row i of ``routes`` (docs/design.md §3), which is what
 :func:`r3jax.batch.collate` reads: ``tokens``, ``loss_mask``, ``rollout_logprobs``, ``advantage``,
 ``routes`` and ``captured``.
 """

@@ -1,4 +1,4 @@
-"""FastAPI app around an :class:`r3jax.engine.Engine` (DESIGN.md §5).
+"""FastAPI app around an :class:`r3jax.engine.Engine` (docs/design.md §5).
 
 Endpoints::
 

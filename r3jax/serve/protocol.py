@@ -3,7 +3,7 @@ response (JSON or binary routes) as a checked ``GenerateOutput``. The peers' for
 SGLang) are in :mod:`r3jax.serve.peers`; all share :class:`ProtocolError` and :class:`ServedModel`.
 
 Every decoded output is checked against the request before it is returned: G >= 1 tokens (at most
-max_tokens) in ``[0, V)``, G logprobs when asked for, and route rows obeying DESIGN.md §3 — exactly
+max_tokens) in ``[0, V)``, G logprobs when asked for, and route rows obeying docs/design.md §3 — exactly
 ``P - s + G - 1`` rows of ``[L, K]`` ids < E starting at s, from the served MoE layers. A server that
 breaks the contract raises :class:`ProtocolError` (naming the field in ``err.field``); nothing is
 silently trimmed, padded or defaulted: a response without ``prompt_tokens``, ``cached_tokens`` or
@@ -65,7 +65,7 @@ def _ints(name: str, values) -> list[int]:
 
 
 def request_body(request) -> dict:
-    """The r3jax ``/v1/generate`` body (DESIGN.md §5)."""
+    """The r3jax ``/v1/generate`` body (docs/design.md §5)."""
     sp = {"max_tokens": request.max_tokens, "temperature": float(request.temperature),
           "top_p": float(request.top_p), "top_k": request.top_k, "seed": request.seed,
           "stop_token_ids": _ints("stop_token_ids", request.stop_token_ids),

@@ -7,7 +7,7 @@ Two stages, so every rejection names its field:
    not floats), floats are finite numbers, lists are lists. It is also the OpenAPI schema.
 2. :func:`to_request` checks values against the served model (:class:`Limits`): token ids in
    ``[0, V)``, ``1 <= max_tokens``, ``P + max_tokens <= max_seq_len``,
-   ``0 <= routed_experts_prompt_start <= P`` (DESIGN.md §3), sampling ranges.
+   ``0 <= routed_experts_prompt_start <= P`` (docs/design.md §3), sampling ranges.
 
 Failures raise :class:`InputError`, a :class:`r3jax.checks.FieldError` (``err.field`` is the dotted
 body field as data) with a status; the app turns it into a 4xx JSON body
@@ -72,7 +72,7 @@ class SamplingParams(_Strict):
 
 
 class GenerateBody(_Strict):
-    """``POST /v1/generate`` body (DESIGN.md §5)."""
+    """``POST /v1/generate`` body (docs/design.md §5)."""
 
     prompt_ids: list[int] = Field(description="prompt token ids, each in [0, vocab_size); not empty")
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
@@ -89,7 +89,7 @@ class WeightsBody(_Strict):
 
 
 class RoutesWire(BaseModel):
-    """Route payload (DESIGN.md §3): base64 of the C-order bytes, shape [rows, L, K], dtype, start, layers."""
+    """Route payload (docs/design.md §3): base64 of the C-order bytes, shape [rows, L, K], dtype, start, layers."""
 
     data: str
     shape: list[int]

@@ -149,7 +149,7 @@ def _unpadded(fwd, tokens, n):
 
 
 def test_right_padding_never_reaches_real_tokens(setup):
-    """DESIGN.md §5: right padding with positions 0 and no segment_ids leaves real tokens alone."""
+    """docs/design.md §5: right padding with positions 0 and no segment_ids leaves real tokens alone."""
     cfg, _, fwd, tokens, _, _ = setup
     n = 7
     want = _unpadded(fwd, tokens, n)

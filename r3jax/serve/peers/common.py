@@ -1,5 +1,5 @@
 """What the peer adapters share: readers for JSON body fields (over :mod:`r3jax.checks`, so every
-rule keeps one home) and the client-side checks of a peer's answer (the row rule of DESIGN.md §3).
+rule keeps one home) and the client-side checks of a peer's answer (the row rule of docs/design.md §3).
 
 Server direction: every reader raises :class:`r3jax.checks.FieldError` naming the peer's own field
 (``sampling_params.max_new_tokens``, ``prompt``...). Client direction: a peer answer that breaks
