@@ -22,12 +22,15 @@ MAX_TOKENS = 8
 ADVANTAGES = (1.0, -1.0, 0.5, -0.5)
 
 
-def rollout_trajectories(engine, cfg, *, seed=0):
-    """Sampled single-turn rollouts from ``engine`` as collate-ready dicts (routes via the trace)."""
+def rollout_trajectories(engine, cfg, *, seed=0, request_seed=None, temperature=1.0, **sampling):
+    """Sampled single-turn rollouts from ``engine`` as collate-ready dicts (routes via the trace).
+    ``seed`` draws the prompts; request i samples with ``request_seed + i`` (default ``seed + i``);
+    ``sampling``: further GenerateRequest fields (top_k, top_p, logprobs_mode)."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(1, cfg.vocab_size, p).tolist() for p in PROMPT_LENS]
-    reqs = [GenerateRequest(prompt_ids=p, max_tokens=MAX_TOKENS, temperature=1.0, seed=seed + i,
-                            return_routed_experts=True) for i, p in enumerate(prompts)]
+    first = seed if request_seed is None else request_seed
+    reqs = [GenerateRequest(prompt_ids=p, max_tokens=MAX_TOKENS, temperature=temperature, seed=first + i,
+                            return_routed_experts=True, **sampling) for i, p in enumerate(prompts)]
     trajs = []
     for prompt, out, adv in zip(prompts, engine.generate(reqs), ADVANTAGES):
         p, g = len(prompt), len(out.output_ids)
@@ -44,6 +47,12 @@ def rollout_trajectories(engine, cfg, *, seed=0):
 def collate_tiny(trajs, cfg):
     return collate(trajs, seq_len=SEQ_LEN, num_experts=cfg.num_experts, top_k=cfg.top_k,
                    num_layers=cfg.num_moe_layers)
+
+
+@pytest.fixture(scope="session")
+def sample_rollouts():
+    """:func:`rollout_trajectories`, for test modules (conftest helpers are not importable)."""
+    return rollout_trajectories
 
 
 @pytest.fixture(scope="session")

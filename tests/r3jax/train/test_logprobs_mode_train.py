@@ -11,28 +11,14 @@ from flax import nnx
 from models import Replay
 from r3jax import train
 from r3jax.batch import collate
-from r3jax.engine import GenerateRequest
-from r3jax.trace import RoutedExpertTrace
 
 T = 0.7
-PROMPT_LENS, MAX_TOKENS, ADVANTAGES = (4, 5, 6, 7), 8, (1.0, -1.0, 0.5, -0.5)  # the conftest's batch shape
+MAX_TOKENS = 8  # the conftest's rollouts
 
 
-def _processed_rollouts(engine, cfg, top_k, top_p):
-    rng = np.random.default_rng(7)
-    prompts = [rng.integers(1, cfg.vocab_size, p).tolist() for p in PROMPT_LENS]
-    reqs = [GenerateRequest(prompt_ids=p, max_tokens=MAX_TOKENS, temperature=T, top_k=top_k, top_p=top_p, seed=50 + i,
-                            return_routed_experts=True, logprobs_mode="processed_logprobs")
-            for i, p in enumerate(prompts)]
-    trajs = []
-    for prompt, out, adv in zip(prompts, engine.generate(reqs), ADVANTAGES):
-        p, g = len(prompt), len(out.output_ids)
-        loss_mask = np.array([0.0] * p + [1.0] * g, np.float32)
-        trace = RoutedExpertTrace().record(prompt_len=p, generated_len=g, routes=out.routed_experts)
-        routes, captured = trace.finalize(token_count=p + g, loss_mask=loss_mask)
-        trajs.append(dict(tokens=np.array(prompt + list(out.output_ids), np.int32), loss_mask=loss_mask,
-                          rollout_logprobs=np.array([0.0] * p + list(out.logprobs), np.float32),
-                          advantage=adv, routes=routes, captured=captured))
+def _processed_rollouts(sample_rollouts, engine, cfg, top_k, top_p):
+    trajs = sample_rollouts(engine, cfg, seed=7, request_seed=50, temperature=T, top_k=top_k, top_p=top_p,
+                            logprobs_mode="processed_logprobs")
     return collate(trajs, seq_len=32, num_experts=cfg.num_experts, top_k=cfg.top_k, num_layers=cfg.num_moe_layers)
 
 
@@ -57,9 +43,10 @@ def _ratios(logits, b, *process):
 
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 0.9)])
-def test_trainer_matching_the_rollout_has_importance_weight_one(tiny, engine, tx, replayed_logits, top_k, top_p):
+def test_trainer_matching_the_rollout_has_importance_weight_one(tiny, engine, tx, replayed_logits, sample_rollouts,
+                                                                top_k, top_p):
     cfg, model = tiny
-    b = _processed_rollouts(engine, cfg, top_k, top_p)
+    b = _processed_rollouts(sample_rollouts, engine, cfg, top_k, top_p)
     logits = replayed_logits(b)
     # per token: exp(train_lp - rollout_lp) == 1 with the rollout's processing, and not without it
     np.testing.assert_allclose(_ratios(logits, b, T, top_k, top_p), 1.0, atol=1e-5)
