@@ -283,18 +283,24 @@ def scale_plan() -> tuple[str, bool]:
             "decode step for the devices of real TPU slices on a CPU host (nothing is allocated); the per-chip "
             "peak is XLA's `memory_analysis()`, and a program that does not fit is refused with "
             "RESOURCE_EXHAUSTED as on the slice (`>`: what libtpu said it needed). Workload: an RL batch of "
-            "256 sequences × 8192 tokens; see [scaling.md](scaling.md) for the layouts.\n\n")
+            "256 sequences × 8192 tokens; see [scaling.md](scaling.md) for the layouts and "
+            "[kernels.md](kernels.md) for the attention and logits kernels. `peak before÷after` divides the "
+            "same cell's peak in the plan compiled with einsum attention, full-vocabulary f32 logits and the "
+            "expanded MLA cache (`experiments/results/scale_plan_einsum.json`) by this one (`>`: only that "
+            "plan was refused, so its figure and the ratio are lower bounds).\n\n")
     d = load("scale_plan")
     cells = (d or {}).get("cells", [])
     clean = [c for c in cells if is_clean(c)]
     if not clean:
         return head + rerun_line("make scale-plan") + "\n", False
-    from experiments.scale_plan import COLUMNS, smallest_lines, summary_rows
+    from experiments.scale_plan import BEFORE, COLUMNS, smallest_lines, summary_rows
 
+    prior = load(BEFORE) or {}
+    before = [c for c in prior.get("cells", []) if is_clean(c)]
     commits = sorted({c["commit"] for c in clean})
     out = (head + f"Measured by `make scale-plan` on commit{'s' if len(commits) > 1 else ''} "
            + ", ".join(f"`{c}`" for c in commits) + f" ({len(clean)} of {len(cells)} cells).\n\n"
-           + table(summary_rows(clean), COLUMNS) + "\n")
+           + table(summary_rows(clean, before), COLUMNS) + "\n")
     if len(clean) < len(cells):
         # "smallest fitting slice" over a subset would name the wrong slice: wait for every cell
         out += (f"\nThe other {len(cells) - len(clean)} cells, and the smallest slice each model fits, are not "

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 
 RESULT = "scale_plan"
+HEADROOM = 0.10  # a slice counts as fitting when the peak leaves this fraction of HBM free
+BEFORE = "scale_plan_einsum"  # the plan with einsum attention, full-vocabulary logits and the expanded MLA cache
 MODELS = ("qwen3_30b_a3b", "olmoe_1b_7b", "mixtral_8x7b")
 LARGE_MODELS = ("glm4_5_air", "qwen3_235b_a22b", "deepseek_v3", "kimi_k2")  # issue 13's presets
 TOPOLOGIES = ("v5e:4x4", "v5p:2x2x1", "v5p:2x2x4", "v5e:16x16", "v5p:4x4x4")
@@ -57,11 +59,19 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--remat", default="full",
                     help="MoeConfig.remat of the train step where the model has it (per-layer activation "
                          "checkpointing; the decode step never differentiates)")
+    ap.add_argument("--attention", default=None,
+                    help="MoeConfig.attention_impl of every cell (default: splash for a TPU compile, blockwise "
+                         "on simulated CPU meshes; xla is the reference einsum)")
+    ap.add_argument("--stop-at-fit", action="store_true",
+                    help="per model and program, skip the topologies with more chips than the first that fits "
+                         "(topologies are visited by chip count)")
     ap.add_argument("--cell-timeout", type=float, default=1200.0, help="seconds per cell (its own process)")
     ap.add_argument("--rerun", action="store_true", help="recompute cells already in the results file")
     ap.add_argument("--retry-failed", action="store_true", help="recompute cells that timed out or errored")
     ap.add_argument("--quick", action="store_true", help="olmoe_1b_7b on v5e:4x4 only, seq 2048")
     ap.add_argument("--out", default=None, help="results file (default experiments/results/scale_plan.json)")
+    ap.add_argument("--before", default=None,
+                    help=f"an earlier plan for the peak before÷after column (default experiments/results/{BEFORE}.json)")
     ap.add_argument("--cell", default=None, help="MODEL,TOPOLOGY,PROGRAM: run one cell here, print its JSON")
     a = ap.parse_args(argv)
     if a.quick:
@@ -79,17 +89,32 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def with_remat(cfg, remat: str | None):
-    """``cfg`` with ``remat`` where MoeConfig has that field (scanned layers), else unchanged."""
+def with_field(cfg, name: str, value):
+    """``cfg`` with ``name=value`` where MoeConfig has that field, else unchanged."""
     import dataclasses
 
-    if remat is None or "remat" not in {f.name for f in dataclasses.fields(cfg)}:
+    if value is None or name not in {f.name for f in dataclasses.fields(cfg)}:
         return cfg
-    return cfg.replace(remat=remat)
+    return cfg.replace(**{name: value})
+
+
+def with_remat(cfg, remat: str | None):
+    """``cfg`` with ``remat`` where MoeConfig has that field (scanned layers), else unchanged."""
+    return with_field(cfg, "remat", remat)
+
+
+def attention_for(backend: str, attention: str | None) -> str | None:
+    """The attention kernel a cell compiles: ``attention`` if given, else Pallas splash attention for a
+    TPU compile (``"auto"`` decides by the *host's* default backend, which is the CPU here) and the
+    blockwise XLA kernel for simulated CPU meshes."""
+    if attention is not None:
+        return attention
+    return "splash" if backend == "tpu" else "blockwise"
 
 
 def run_cell(cfg, topo_name: str, program: str, *, backend: str, rl_batch: int, seq_len: int,
-             rows_per_chip: int = 1, decode_steps: int = 8, layout=None, remat: str | None = None) -> dict:
+             rows_per_chip: int = 1, decode_steps: int = 8, layout=None, remat: str | None = None,
+             attention: str | None = None) -> dict:
     """One cell in this process: build the abstract program, compile it, report per chip.
 
     ``cfg`` is a MoeConfig (or a preset name). The result has the cell's key fields, the mesh, the
@@ -102,6 +127,7 @@ def run_cell(cfg, topo_name: str, program: str, *, backend: str, rl_batch: int, 
     cfg = MoeConfig.preset(cfg) if isinstance(cfg, str) else cfg
     if program == "train":
         cfg = with_remat(cfg, remat)
+    cfg = with_field(cfg, "attention_impl", attention_for(backend, attention))
     topo = topologies.topology(topo_name)
     t0 = time.perf_counter()
     devs = topologies.devices(topo, backend)
@@ -152,7 +178,9 @@ def run_cell(cfg, topo_name: str, program: str, *, backend: str, rl_batch: int, 
     return {"model": name or "custom", "topology": topo.name, "program": program, "backend": backend,
             "commit": _commit(),
             "chips": topo.chips, "hbm_bytes": topo.hbm_bytes, "rl_batch": rl_batch, "seq_len": seq_len,
-            "remat": getattr(cfg, "remat", None), "scan_layers": getattr(cfg, "scan_layers", None),
+            "remat": getattr(cfg, "remat", None), "attention_impl": getattr(cfg, "attention_impl", None),
+            "mla_cache": getattr(cfg, "mla_cache", None) if cfg.attention == "mla" else None,
+            "scan_layers": getattr(cfg, "scan_layers", None),
             "num_moe_layers": cfg.num_moe_layers, "top_k": cfg.top_k, "num_experts": cfg.num_experts,
             "build_s": build_s, "layouts_tried": tried, **info, **report}
 
@@ -187,6 +215,8 @@ def _spawn(a, backend: str, model: str, topo, program: str) -> dict:
     cmd = [sys.executable, "-m", "experiments.scale_plan", "--cell", f"{model},{topo.name},{program}",
            "--backend", backend, "--rl-batch", str(a.rl_batch), "--seq-len", str(a.seq_len),
            "--rows-per-chip", str(a.rows_per_chip), "--decode-steps", str(a.decode_steps), "--remat", a.remat]
+    if a.attention:
+        cmd += ["--attention", a.attention]
     base = {"model": model, "topology": topo.name, "program": program, "backend": backend, "chips": topo.chips,
             "hbm_bytes": topo.hbm_bytes, "rl_batch": a.rl_batch, "seq_len": a.seq_len}
     t0 = time.perf_counter()
@@ -206,7 +236,26 @@ def _gib(b) -> str:
     return "" if b is None else f"{b / (1 << 30):.2f}"
 
 
-def summary_rows(cells: list[dict]) -> list[dict]:
+def peak_of(c: dict) -> tuple[float | None, bool]:
+    """(peak bytes per chip, whether that is a lower bound: libtpu's "required" of a refused program)."""
+    peak = c.get("peak_bytes") or c.get("required_bytes")
+    return peak, c["status"] == "RESOURCE_EXHAUSTED"
+
+
+def saving(c: dict, before: dict | None) -> str:
+    """Peak before ÷ after for the same (model, topology, program): ``>`` where only "before" was refused
+    (its figure is a lower bound, so is the ratio); empty where it cannot be bounded."""
+    if before is None:
+        return ""
+    (b, b_low), (a, a_low) = peak_of(before), peak_of(c)
+    if not a or not b or a_low:
+        return ""
+    return (">" if b_low else "") + f"{b / a:.1f}"
+
+
+def summary_rows(cells: list[dict], before: list[dict] | None = None) -> list[dict]:
+    """One table row per cell; ``before``: the same cells from an earlier plan, for the peak ratio."""
+    prior = {(c["model"], c["topology"], c["program"]): c for c in before or []}
     rows = []
     for c in cells:
         mesh = c.get("mesh") or {}
@@ -215,7 +264,10 @@ def summary_rows(cells: list[dict]) -> list[dict]:
                      "mesh": "x".join(f"{k[0]}{v}" for k, v in mesh.items()) if mesh else "",
                      "params GiB/chip": _gib(c.get("params_bytes")), "opt GiB/chip": _gib(c.get("optimizer_bytes")),
                      "peak GiB/chip": (">" if c["status"] == "RESOURCE_EXHAUSTED" else "") + _gib(peak),
-                     "HBM GiB": _gib(c["hbm_bytes"]), "status": c["status"],
+                     "HBM GiB": _gib(c["hbm_bytes"]),
+                     "% HBM": "" if c["status"] != "fits" else f"{100 * peak / c['hbm_bytes']:.0f}",
+                     "status": c["status"],
+                     "peak before÷after": saving(c, prior.get((c["model"], c["topology"], c["program"]))),
                      "compile s": round(c.get("compile_s", 0.0), 1),
                      "routes MiB/chip": "" if c.get("routes_bytes") is None else f"{c['routes_bytes'] / 2**20:.1f}",
                      "routes [B,S,L,K]/chip": "x".join(map(str, (c.get("routes_sharding") or {}).get("chip_shape", [])))})
@@ -224,17 +276,20 @@ def summary_rows(cells: list[dict]) -> list[dict]:
 
 
 COLUMNS = ["model", "topology", "chips", "program", "mesh", "params GiB/chip", "opt GiB/chip", "peak GiB/chip",
-           "HBM GiB", "status", "compile s", "routes MiB/chip", "routes [B,S,L,K]/chip"]
+           "HBM GiB", "% HBM", "status", "peak before÷after", "compile s", "routes MiB/chip", "routes [B,S,L,K]/chip"]
 
 
 def smallest_fitting(cells: list[dict]) -> dict[str, dict]:
-    """Per (model, program): the fitting topology with the fewest chips (then least total HBM), and the
-    topologies that failed with RESOURCE_EXHAUSTED."""
+    """Per (model, program): the fitting topology with the fewest chips (then least total HBM) whose peak
+    leaves :data:`HEADROOM` of HBM free (a program at 99% of HBM fits the compiler, not a real run), the
+    topologies that failed with RESOURCE_EXHAUSTED, and those that fit above the headroom."""
     out: dict[str, dict] = {}
     for c in cells:
         entry = out.setdefault(f"{c['model']}/{c['program']}", {"smallest": None, "resource_exhausted": [],
-                                                               "not_compiled": []})
-        if c["status"] == "fits":
+                                                               "not_compiled": [], "above_headroom": []})
+        if c["status"] == "fits" and c["peak_bytes"] > (1 - HEADROOM) * c["hbm_bytes"]:
+            entry["above_headroom"].append(c["topology"])
+        elif c["status"] == "fits":
             best = entry["smallest"]
             key = (c["chips"], c["chips"] * c["hbm_bytes"])
             if best is None or key < (best["chips"], best["chips"] * best["hbm_bytes"]):
@@ -253,8 +308,10 @@ def smallest_lines(cells: list[dict]) -> list[str]:
     for k, v in smallest_fitting(cells).items():
         s = v["smallest"]
         where = f"{s['topology']} ({s['chips']} chips)" if s else "none of those compiled"
-        lines.append(f"{k}: smallest fitting {where}; "
+        lines.append(f"{k}: smallest fitting {where} (peak <= {100 - 100 * HEADROOM:.0f}% of HBM); "
                      f"RESOURCE_EXHAUSTED on {', '.join(v['resource_exhausted']) or 'none'}"
+                     + (f"; fits above {100 - 100 * HEADROOM:.0f}% of HBM on {', '.join(v['above_headroom'])}"
+                        if v["above_headroom"] else "")
                      + (f"; not compiled: {', '.join(v['not_compiled'])}" if v["not_compiled"] else ""))
     return lines
 
@@ -286,7 +343,8 @@ def main(argv=None) -> int:
     if a.cell:
         model, topo, program = a.cell.split(",")
         c = run_cell(model, topo, program, backend=backend, rl_batch=a.rl_batch, seq_len=a.seq_len,
-                     rows_per_chip=a.rows_per_chip, decode_steps=a.decode_steps, remat=a.remat)
+                     rows_per_chip=a.rows_per_chip, decode_steps=a.decode_steps, remat=a.remat,
+                     attention=a.attention)
         print(_MARK + json.dumps(c, default=str), flush=True)
         return 0
     from experiments.common import RESULTS, table
@@ -295,16 +353,25 @@ def main(argv=None) -> int:
     path = Path(a.out) if a.out else RESULTS / f"{RESULT}.json"
     cells = _load(path)
     done = {cell_key(c): i for i, c in enumerate(cells)}
+    topos = [topology(n) for n in a.topologies]
+    if a.stop_at_fit:
+        topos.sort(key=lambda t: (t.chips, t.total_hbm_bytes))
     for model in a.models:
-        for name in a.topologies:
-            topo = topology(name)
+        fitted: dict[str, int] = {}  # program -> chips of the first topology it fits (--stop-at-fit)
+        for topo in topos:
             for program in a.programs:
                 key = (model, topo.name, program, backend, a.rl_batch, a.seq_len)
                 old = cells[done[key]] if key in done else None
+                if a.stop_at_fit and program in fitted and topo.chips > fitted[program]:
+                    continue
+                if old is not None and old["status"] == "fits":
+                    fitted.setdefault(program, topo.chips)
                 if old is not None and not a.rerun and not (a.retry_failed and old["status"] in ("timeout", "error")):
                     continue
                 print(f"[{time.strftime('%H:%M:%S')}] {model} {topo.name} {program} ({backend}) ...", flush=True)
                 c = _spawn(a, backend, model, topo, program)
+                if c["status"] == "fits":
+                    fitted.setdefault(program, topo.chips)
                 print(f"    {c['status']} in {c.get('compile_s', 0):.0f} s, peak "
                       f"{_gib(c.get('peak_bytes') or c.get('required_bytes'))} GiB/chip", flush=True)
                 if old is not None:
@@ -314,7 +381,8 @@ def main(argv=None) -> int:
                     cells.append(c)
                 _write(path, a, backend, cells)
     _write(path, a, backend, cells)
-    print(table(summary_rows(cells), COLUMNS))
+    before = _load(Path(a.before) if a.before else RESULTS / f"{BEFORE}.json")
+    print(table(summary_rows(cells, before), COLUMNS))
     print("\n".join(smallest_lines(cells)))
     print(f"wrote {path}")
     return 0

@@ -76,6 +76,21 @@ def test_summary_names_the_smallest_fitting_topology_and_the_exhausted_ones():
     s = scale_plan.smallest_fitting(cells)["m/train"]
     assert s["smallest"]["topology"] == "small"
     assert s["resource_exhausted"] == ["tiny"] and s["not_compiled"] == ["slow (timeout)"]
+    # a slice the compiler accepts at 95% of HBM has no headroom left: the next one is the smallest
+    cells.append({**base, "topology": "full", "chips": 8, "status": "fits", "peak_bytes": 15.2})
+    s = scale_plan.smallest_fitting(cells)["m/train"]
+    assert s["smallest"]["topology"] == "small" and s["above_headroom"] == ["full"]
+
+
+def test_summary_divides_the_earlier_plans_peak_by_this_ones():
+    base = {"model": "m", "program": "train", "topology": "t", "chips": 4, "hbm_bytes": 100 * 2**30}
+    now = {**base, "status": "fits", "peak_bytes": 20 * 2**30}
+    fitted = {**base, "status": "fits", "peak_bytes": 50 * 2**30}
+    refused = {**base, "status": "RESOURCE_EXHAUSTED", "required_bytes": 300 * 2**30}
+    ratio = lambda before: scale_plan.summary_rows([now], before)[0]["peak before÷after"]
+    assert ratio([fitted]) == "2.5" and ratio([refused]) == ">15.0" and ratio([]) == ""
+    assert scale_plan.summary_rows([refused], [fitted])[0]["peak before÷after"] == ""  # no bound when refused now
+    assert scale_plan.summary_rows([now])[0]["% HBM"] == "20"
 
 
 def test_unknown_topology_and_too_few_cpu_devices_are_refused():
