@@ -6,7 +6,9 @@ the engine's prefill chunk with the head at the last prompt token vs on every fe
 Train step: the real ``r3jax.train`` step (value_and_grad of the policy loss, sgd update) of a
 2-layer model with a realistic vocabulary on a small hidden size, compiled (not run) at B = 1 and S
 tokens; ``memory_analysis().temp_size_in_bytes`` with ``LossConfig.logits_chunk`` = 0 (one [S, V]
-computation) and = 512, and their ratio. Prefill: :func:`r3jax.engine.engine.prefill_chunk_limit`
+computation) and = 512, and their ratio; ``base``: the same step at a 1024-token vocabulary (what
+attention, whose [S, S] scores XLA:CPU materialises, and the MoE hold), so ``*_head`` = temp - base
+is the LM head's and the loss's share. Prefill: :func:`r3jax.engine.engine.prefill_chunk_limit`
 for the vocabulary's Qwen3-30B-A3B-shaped config (32 heads) at 8 prefill rows, with the head only at
 the last token (now) and on every position (the logits-bound rule a model without ``logits(hidden)``
 still gets). Writes experiments/results/bench_logits.json.
@@ -29,6 +31,7 @@ from r3jax.engine.engine import prefill_chunk_limit
 WIDTHS = dict(hidden_size=64, num_layers=2, first_dense_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
               num_experts=8, top_k=2, moe_intermediate_size=32, dense_intermediate_size=64)
 CHUNK = 512
+BASE_VOCAB = 1024
 
 
 def _batch(cfg: MoeConfig, s: int) -> Batch:
@@ -51,10 +54,18 @@ def train_temp(vocab: int, s: int) -> dict:
     for chunk in (0, CHUNK):
         fn = train.make_train_step(state, replay="none", config=train.LossConfig(aux_coef=0.0, logits_chunk=chunk))
         temp[chunk] = fn.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
-    logits_bytes = 4 * s * vocab
-    return {"vocab": vocab, "tokens": s, "hidden": cfg.hidden_size, "full_temp_mib": temp[0] / 2**20,
-            "chunked_temp_mib": temp[CHUNK] / 2**20, "chunked_over_full": temp[CHUNK] / temp[0],
-            "logits_f32_mib": logits_bytes / 2**20, "chunk": CHUNK}
+    # the same step at a 1024-token vocabulary: what the rest of the step (attention scores, MoE) holds
+    small = MoeConfig.tiny(vocab_size=BASE_VOCAB, **WIDTHS)
+    small_state = train.init_train_state(MoeTransformer(small, rngs=nnx.Rngs(0)), optax.sgd(0.1))
+    fn = train.make_train_step(small_state, replay="none", config=train.LossConfig(aux_coef=0.0, logits_chunk=0))
+    base = fn.lower(small_state, _batch(small, s)).compile().memory_analysis().temp_size_in_bytes
+    mib = lambda x: x / 2**20
+    return {"vocab": vocab, "tokens": s, "hidden": cfg.hidden_size, "chunk": CHUNK,
+            "logits_f32_mib": mib(4 * s * vocab), "full_temp_mib": mib(temp[0]),
+            "chunked_temp_mib": mib(temp[CHUNK]), "chunked_over_full": temp[CHUNK] / temp[0],
+            "base_temp_mib": mib(base), "full_head_mib": mib(temp[0] - base),
+            "chunked_head_mib": mib(temp[CHUNK] - base),
+            "head_chunked_over_full": (temp[CHUNK] - base) / (temp[0] - base)}
 
 
 def prefill_rows(vocab: int) -> list[dict]:
@@ -82,7 +93,8 @@ def main():
         rows.append(train_temp(vocab, s))
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}, flush=True)
     print(table(rows, ["vocab", "tokens", "hidden", "chunk", "logits_f32_mib", "full_temp_mib", "chunked_temp_mib",
-                       "chunked_over_full"]))
+                       "chunked_over_full", "base_temp_mib", "full_head_mib", "chunked_head_mib",
+                       "head_chunked_over_full"]))
     prefill = prefill_rows(vocab)
     print(table(prefill, ["vocab", "num_heads", "rows", "max_seq_len", "prefill_chunk", "old_cap", "new_cap"]))
     print("wrote", write_json("bench_logits", {"train": rows, "prefill": prefill, "widths": WIDTHS,
