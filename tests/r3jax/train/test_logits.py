@@ -173,3 +173,22 @@ def test_model_hidden_and_head_give_the_default_logits(tiny_state):
     want = token_logprobs(full.logits, jnp.asarray(batch.tokens))
     np.testing.assert_allclose(ts_plain.logprobs, want, atol=1e-6, rtol=0)
     np.testing.assert_allclose(ts_model.logprobs, want, atol=1e-6, rtol=0)
+
+
+def test_sft_loss_equals_the_full_logits_formula(tiny_state):
+    from r3jax.train.sft import sft_loss
+
+    cfg, state = tiny_state
+    batch = _batch(cfg, s=600)  # > the default chunk of 512: two uneven chunks
+
+    @jax.jit
+    def run(state, batch):
+        logits = state.model()(batch.tokens, batch.positions, segment_ids=batch.segment_ids).logits
+        mask = batch.loss_mask > 0
+        nll = -mm.masked_mean(token_logprobs(logits, batch.tokens), mask)
+        hit = jnp.pad(jnp.argmax(logits[:, :-1], -1) == batch.tokens[:, 1:], ((0, 0), (1, 0)))
+        return sft_loss(state.params, state, batch)[1], nll, mm.masked_mean(hit.astype(jnp.float32), mask)
+
+    got, nll, acc = run(state, batch)
+    np.testing.assert_allclose(got["nll"], nll, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got["accuracy"], acc, atol=1e-6, rtol=0)
