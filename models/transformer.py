@@ -19,11 +19,12 @@ _init = nnx.initializers.normal(stddev=0.02)
 
 @struct.dataclass
 class ModelOutput:
-    """logits [B, T, V] f32; routes / live_routes [B, T, L, K] int32; aux_loss scalar f32
+    """logits [B, T, V] f32 (None under ``return_hidden=True``); routes / live_routes [B, T, L, K] int32; aux_loss scalar f32
     (load-balancing loss averaged over MoE layers); cache: the updated KVCache or None;
     expert_load [L, E] f32: per MoE layer, how many (token, slot) assignments each expert got over
     tokens where token_mask (and, under replay, replay.mask) is True; the input of
-    :func:`models.routers.update_bias`."""
+    :func:`models.routers.update_bias`; hidden [B, T, D] (compute dtype): the final-norm hidden states,
+    set only under ``return_hidden=True`` (``model.logits(hidden)`` gives the logits)."""
 
     logits: jax.Array
     routes: jax.Array
@@ -31,10 +32,17 @@ class ModelOutput:
     aux_loss: jax.Array
     cache: KVCache | None = None
     expert_load: jax.Array | None = None
+    hidden: jax.Array | None = None
 
 
 class MoeTransformer(nnx.Module):
     """``model(tokens, positions, replay=None, cache=None) -> ModelOutput``.
+
+    ``return_hidden=True`` skips the LM head: the output carries the final-norm hidden states
+    [B, T, D] (``hidden``) and no logits, and ``model.logits(hidden)`` applies the (possibly tied)
+    head, so a caller can take the [.., V] logits only where and in pieces as it needs them (the
+    train step's chunked loss, r3jax/train/logits.py; the engine's prefill, which needs one position
+    per row).
 
     tokens, positions: [B, T] int32. replay: :class:`Replay` or None. cache: :class:`KVCache` or
     None (full-sequence mode). segment_ids [B, T] (full-sequence mode only) keeps packed sequences
@@ -77,7 +85,7 @@ class MoeTransformer(nnx.Module):
         return None, [nnx.split(self.layers[i]) for i in ids]
 
     def __call__(self, tokens, positions, replay: Replay | None = None, cache: KVCache | None = None,
-                 *, segment_ids=None, token_mask=None) -> ModelOutput:
+                 *, segment_ids=None, token_mask=None, return_hidden: bool = False) -> ModelOutput:
         cfg, dt = self.config, self.config.dtype
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
         b, t = tokens.shape
@@ -101,7 +109,13 @@ class MoeTransformer(nnx.Module):
                 routes, live_routes = jnp.moveaxis(ids_, 0, 2), jnp.moveaxis(live, 0, 2)
                 aux_loss = jnp.mean(aux)
         x = self.final_norm(x)
-        head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-        logits = (x @ head.astype(dt)).astype(jnp.float32)
         new_cache = None if cache is None else KVCache(k=tuple(new_k), v=tuple(new_v))
-        return ModelOutput(logits, routes, live_routes, aux_loss, new_cache, expert_load)
+        if return_hidden:
+            return ModelOutput(None, routes, live_routes, aux_loss, new_cache, expert_load, hidden=x)
+        return ModelOutput(self.logits(x), routes, live_routes, aux_loss, new_cache, expert_load)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """The LM head (the embedding's transpose when ``tie_embeddings``): hidden [..., D] -> [..., V] f32."""
+        cfg = self.config
+        head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
+        return (hidden.astype(cfg.dtype) @ head.astype(cfg.dtype)).astype(jnp.float32)

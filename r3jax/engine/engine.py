@@ -31,7 +31,8 @@ from r3jax.engine.scheduler import Job, Scheduler
 from r3jax.engine.sharding import Placement
 from r3jax.routes import route_dtype
 
-_LOGITS_BYTES = 256 << 20  # most prefill logits [N, T, V] f32 held at once
+_LOGITS_BYTES = 256 << 20  # most prefill logits [N, T, V] f32 held at once (a model without logits(hidden))
+_SCORES_BYTES = 1 << 30  # most prefill attention scores [N, H, T, S] f32 held at once
 # moe_impl=None on CPU: runs each chosen expert on only the tokens that chose it, the fastest
 # decode kernel measured there (experiments/bench_decode.py); every MoeConfig accepts it
 CPU_MOE_IMPL = "gather"
@@ -116,8 +117,10 @@ class Engine:
         # prompt buckets (Sp) and attention windows: whole prefix-cache blocks, at most S
         self._seq_buckets = sorted({min(round_up(b, block_size), self.seq_len) for b in buckets(lo, self.seq_len)})
         self._row_buckets = sorted({1, min(prefill_rows, max_batch_size)})
-        t_hi = pow2_at_most(max(16, min(prefill_chunk, _LOGITS_BYTES // (4 * max(self._row_buckets)
-                                                                          * cfg.vocab_size))))
+        # a model with logits(hidden) gets the LM head at the last prompt token only (slots.prefill_chunk)
+        self._head_only = callable(getattr(model, "logits", None))
+        t_hi = prefill_chunk_limit(cfg, max(self._row_buckets), self.seq_len, prefill_chunk,
+                                   head_only=self._head_only)
         self._chunk_buckets = buckets(min(pow2_at_most(min_prefill_chunk), t_hi), t_hi)
         self._read_buckets = buckets(min(16, lo), self.seq_len)
         # live-slot counts a decode program is compiled for: B, B/2, B/4, B/8 (>= 1)
@@ -313,7 +316,7 @@ class Engine:
 
     def _build_prefill(self, rows, sp):
         cache, rep = self._scratch_shardings(rows, sp)
-        return (functools.partial(dev.prefill_chunk, self._graphdef),
+        return (functools.partial(dev.prefill_chunk, self._graphdef, head_only=self._head_only),
                 {"donate_argnums": (2, 3, 7), "out_shardings": (cache, rep, rep)})
 
     def _build_first(self):
@@ -449,6 +452,18 @@ class Engine:
         if self._prefix.enabled:
             self._prefix.clear(self.weight_version)
             self._prefix.pool = self._init_pool()
+
+
+def prefill_chunk_limit(cfg: MoeConfig, rows: int, seq_len: int, prefill_chunk: int, *,
+                        head_only: bool = True) -> int:
+    """The largest prefill chunk bucket (a power of two, >= 16): ``prefill_chunk`` capped by the
+    f32 attention scores [rows, num_heads, T, seq_len] (``_SCORES_BYTES``) and, for a model whose
+    LM head runs on every fed position (``head_only=False``), by its logits [rows, T, V]
+    (``_LOGITS_BYTES``). With ``head_only`` the vocabulary does not limit the chunk."""
+    cap = min(prefill_chunk, _SCORES_BYTES // (4 * rows * cfg.num_heads * seq_len))
+    if not head_only:
+        cap = min(cap, _LOGITS_BYTES // (4 * rows * cfg.vocab_size))
+    return pow2_at_most(max(16, cap))
 
 
 def _check_model_config(model) -> None:

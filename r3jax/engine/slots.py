@@ -89,17 +89,26 @@ def begin_prefill(cfg: MoeConfig, route_dtype, pool, row, blk, slot, *, rows: in
     return load_blocks(pool, cache, routes, row, blk, slot)
 
 
-def prefill_chunk(graphdef, params, rest, cache, routes, tokens, positions, last_index, logits):
+def prefill_chunk(graphdef, params, rest, cache, routes, tokens, positions, last_index, logits, *,
+                  head_only: bool = False):
     """Feed one chunk of prompt tokens into the scratch; keep the logits of each row's last prompt token.
 
     tokens, positions [N, T] int32 (padding: any token at position Sp - 1); last_index [N] int32: index
     in this chunk of the row's last prompt token, or -1; logits [N, V] f32 carried from earlier chunks.
-    Returns ``(cache, routes, logits)``.
+    ``head_only`` (static; a model with ``logits(hidden)``, r3jax/train/model_protocol.py): the model
+    returns hidden states and the LM head runs on the one picked position per row ([N, V], not
+    [N, T, V]). Returns ``(cache, routes, logits)``.
     """
-    out = nnx.merge(graphdef, params, rest)(tokens, positions, cache=cache)
+    model = nnx.merge(graphdef, params, rest)
+    kw = {"return_hidden": True} if head_only else {}
+    out = model(tokens, positions, cache=cache, **kw)
     rows = jnp.arange(tokens.shape[0])[:, None]
     routes = routes.at[rows, positions].set(out.routes.astype(routes.dtype))
-    picked = jnp.take_along_axis(out.logits, jnp.maximum(last_index, 0)[:, None, None], axis=1)[:, 0]
+    at = jnp.maximum(last_index, 0)[:, None, None]
+    if head_only:
+        picked = model.logits(jnp.take_along_axis(out.hidden, at, axis=1)[:, 0])
+    else:
+        picked = jnp.take_along_axis(out.logits, at, axis=1)[:, 0]
     logits = jnp.where((last_index >= 0)[:, None], picked, logits)
     return out.cache, routes, logits
 

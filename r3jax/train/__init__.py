@@ -3,6 +3,7 @@ and weight sync to the rollout side."""
 
 from r3jax.train.checkpoint import (Checkpointer, CheckpointMismatchError, CheckpointReadError,
                                     CheckpointWriteError)
+from r3jax.train.logits import TargetStats, target_stats
 from r3jax.train.loss import LossConfig, group_advantages, policy_loss, token_logprobs
 from r3jax.train.model_protocol import ReplayableModel, RouteConfig, RoutedOutput, route_config
 from r3jax.train.partition import param_shardings, param_spec, single_device_mesh
@@ -14,9 +15,10 @@ from r3jax.train.weight_sync import export_params, load_params, push_to_engine, 
 
 __all__ = [
     "CheckpointMismatchError", "CheckpointReadError", "CheckpointWriteError", "Checkpointer", "LossConfig",
-    "REPLAY_MODES", "ReplayableModel", "RouteConfig", "RoutedOutput", "TrainState", "eval_step", "export_params",
+    "REPLAY_MODES", "ReplayableModel", "RouteConfig", "RoutedOutput", "TargetStats", "TrainState", "eval_step",
+    "export_params",
     "forward_metrics", "group_advantages", "init_train_state", "load_params", "make_train_step",
     "param_shardings", "param_spec", "policy_loss", "ppo_update", "push_to_engine", "push_to_server",
     "record_trainer_routes", "route_config",
-    "single_device_mesh", "state_shardings", "token_logprobs", "train_step", "validate_batch",
+    "single_device_mesh", "state_shardings", "target_stats", "token_logprobs", "train_step", "validate_batch",
 ]

@@ -40,6 +40,10 @@ class LossConfig:
     top_p < 1, renormalised over the engine's kept set (:func:`r3jax.engine.sampling.filter_logits`
     on the trainer's logits; the target token always counts as kept, so a near-tie at the cut cannot
     make its logprob -inf). The filter sorts the vocabulary at every position: it costs memory.
+
+    logits_chunk: positions whose [B, chunk, V] f32 logits the loss holds at once
+    (:func:`r3jax.train.logits.target_stats`: the LM head is applied per chunk under remat, in the
+    forward and the backward pass); 0 or None takes the whole [B, S, V] at once (the reference).
     """
 
     clip_eps: float = 0.2
@@ -51,6 +55,7 @@ class LossConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    logits_chunk: int | None = 512
 
     def __post_init__(self):
         real = lambda x: isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_)) and math.isfinite(x)
@@ -66,6 +71,9 @@ class LossConfig:
             ("top_k", isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 0, "an int >= 0 (0: off)"),
             ("top_p", real(p) and 0 < p <= 1, "a finite number in (0, 1] (1: off)"),
         ]
+        lc = self.logits_chunk
+        checks.append(("logits_chunk", lc is None or (isinstance(lc, (int, np.integer)) and not isinstance(lc, bool)
+                                                      and lc >= 0), "None or an int >= 0 (0 or None: unchunked)"))
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"LossConfig.{name}={getattr(self, name)!r}: expected {expected}")

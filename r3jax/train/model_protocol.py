@@ -54,6 +54,13 @@ class ReplayableModel(Protocol):
     its gradient), elsewhere its own top-k. segment_ids [B, T] int32 (0 = padding): tokens attend
     only within their segment (packed batches); token_mask [B, T] bool: the tokens the aux loss and
     expert_load count. Causality follows the index within the row, never position values.
+
+    Optional, so that neither the loss nor the engine's prefill holds [B, T, V] f32 logits
+    (r3jax/train/logits.py): a method ``logits(hidden [..., D]) -> [..., V] f32`` (the LM head),
+    together with ``model(..., return_hidden=True)`` returning an output whose ``hidden`` [B, T, D]
+    are the states the head takes (its ``logits`` may then be None). A model without a ``logits``
+    method is called without ``return_hidden`` and its ``out.logits`` are used (same results, more
+    memory).
     """
 
     config: Any

@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 
 from r3jax.metrics import masked_mean
-from r3jax.train.loss import token_logprobs
+from r3jax.train.logits import forward_stats
 from r3jax.train.state import TrainState
 
 
@@ -25,12 +25,12 @@ def sft_loss(params, state: TrainState, batch) -> tuple[jax.Array, dict]:
     Returns ``(loss, {"nll", "accuracy"})``; accuracy is greedy next-token accuracy on the targets.
     """
     model = nnx.merge(state.graphdef, params, state.rest)
-    out = model(batch.tokens, batch.positions, segment_ids=batch.segment_ids,
-                token_mask=batch.attention_mask)
+    _, ts = forward_stats(model, batch.tokens, batch.positions, segment_ids=batch.segment_ids,
+                          token_mask=batch.attention_mask)  # LM head in chunks (r3jax/train/logits.py)
     mask = batch.loss_mask > 0
-    nll = -masked_mean(token_logprobs(out.logits, batch.tokens), mask)
-    hit = jnp.argmax(out.logits[:, :-1], axis=-1) == batch.tokens[:, 1:]
-    acc = masked_mean(jnp.pad(hit, ((0, 0), (1, 0))).astype(jnp.float32), mask)
+    nll = -masked_mean(ts.logprobs, mask)
+    hit = (ts.argmax == batch.tokens) & (jnp.arange(batch.tokens.shape[1]) > 0)  # nothing predicts token 0
+    acc = masked_mean(hit.astype(jnp.float32), mask)
     return nll, {"nll": nll, "accuracy": acc}
 
 

@@ -28,7 +28,8 @@ from flax import nnx
 from models import Replay, routers
 from r3jax import metrics as mm
 from r3jax.train import partition
-from r3jax.train.loss import LossConfig, aux_coefficient, policy_loss, token_logprobs
+from r3jax.train.logits import forward_stats
+from r3jax.train.loss import LossConfig, aux_coefficient, policy_loss
 from r3jax.train.model_protocol import route_config
 from r3jax.train.state import TrainState, state_shardings
 
@@ -56,9 +57,11 @@ def forward_metrics(params, state: TrainState, batch, replay: str, config: LossC
         rp, token_mask = Replay(trainer_routes, real), real
     else:
         rp, token_mask = None, real
-    out = model(batch.tokens, batch.positions, replay=rp, segment_ids=batch.segment_ids,
-                token_mask=token_mask)
-    lp = token_logprobs(out.logits, batch.tokens, config.temperature, config.top_k, config.top_p)  # as sampled
+    # the LM head per chunk of positions (r3jax/train/logits.py): no [B, S, V] f32 logits held
+    out, ts = forward_stats(model, batch.tokens, batch.positions, chunk=config.logits_chunk,
+                            temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                            replay=rp, segment_ids=batch.segment_ids, token_mask=token_mask)
+    lp = ts.logprobs  # as sampled
     loss, stats = policy_loss(lp, batch.rollout_logprobs, batch.advantages, batch.loss_mask, config,
                               ref_logprobs)
     loss = loss + aux_coefficient(config, getattr(model, "config", None)) * out.aux_loss
@@ -69,7 +72,9 @@ def forward_metrics(params, state: TrainState, batch, replay: str, config: LossC
                                   live_routes=out.live_routes, rollout_routes=batch.routes,
                                   route_mask=captured)
     metrics.update(stats)
-    metrics["entropy"] = mm.target_entropy(jax.lax.stop_gradient(out.logits), batch.loss_mask)
+    # entropy of the raw distribution at the predicting positions (mm.target_entropy's token set)
+    scored = (batch.loss_mask > 0).at[:, 0].set(False)
+    metrics["entropy"] = mm.masked_mean(jax.lax.stop_gradient(ts.entropy), scored)
     metrics.update(loss=loss, aux_loss=out.aux_loss,
                    num_targets=jnp.sum((batch.loss_mask > 0).astype(jnp.float32)),
                    expert_load_imbalance=_imbalance(out.expert_load))

@@ -15,7 +15,9 @@ from r3jax.trace import RoutedExpertTrace
 from r3jax.train import LossConfig
 
 TX = optax.sgd(0.1, momentum=0.9)  # linear first step (update = -lr * grad); has optimizer state
-TRAIN_CFG = LossConfig(aux_coef=0.0)  # router gradients must come from the policy loss alone
+# aux off: router gradients must come from the policy loss alone; logits in chunks of 12 positions
+# (S = 32: uneven), so every step here runs the chunked loss (r3jax/train/logits.py)
+TRAIN_CFG = LossConfig(aux_coef=0.0, logits_chunk=12)
 SEQ_LEN = 32
 PROMPT_LENS = (4, 5, 6, 7)
 MAX_TOKENS = 8

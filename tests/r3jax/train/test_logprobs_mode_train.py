@@ -56,7 +56,7 @@ def test_trainer_matching_the_rollout_has_importance_weight_one(tiny, engine, tx
 
     # the train step's own metrics: truncated-IS weight 1 and no logprob mismatch at the matching config
     st = train.init_train_state(model, tx)
-    config = train.LossConfig(tis_cap=2.0, temperature=T, top_k=top_k, top_p=top_p)
+    config = train.LossConfig(tis_cap=2.0, temperature=T, top_k=top_k, top_p=top_p, logits_chunk=12)
     m = train.eval_step(st, b, replay="rollout", config=config)
     assert float(m["importance_weight"]) == pytest.approx(1.0, abs=1e-5)
     assert float(m["mean_abs_delta"]) < 1e-5 and float(m["k3_kl"]) < 1e-9

@@ -204,7 +204,9 @@ def test_own_model_trains_with_replay_forcing_its_experts():
     batch = batch.replace(rollout_logprobs=np.where(targets, lp_forced, 0.0).astype(np.float32))
     placed = shard_batch(batch, mesh)
 
-    lr, config = 1.0, train.LossConfig(aux_coef=0.0)  # aux off: the update is the policy gradient alone
+    # aux off: the update is the policy gradient alone; chunked logits over the full logits of a model
+    # without a logits method
+    lr, config = 1.0, train.LossConfig(aux_coef=0.0, logits_chunk=12)
     state = train.init_train_state(model, optax.sgd(lr), mesh=mesh)
     # without replay the same trainer scores the live experts: the mismatch replay removes
     off = train.eval_step(state, placed, replay="none", config=config)
