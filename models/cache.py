@@ -28,7 +28,7 @@ from models.stacking import layer_groups
 class CacheLayout(NamedTuple):
     """Per-token shapes of one layer's cache buffers and the logical axes of a stacked buffer.
 
-    k, v: ``(heads, dim)`` of the ``k`` / ``v`` buffer; axes: logical axes of ``[n, B, S, heads, dim]``
+    k, v: ``(Hc, Dc)`` of the ``k`` / ``v`` buffer; axes: logical axes of ``[n, B, S, Hc, Dc]``
     (models/axes.py RULES)."""
 
     k: tuple[int, int]
@@ -66,7 +66,7 @@ def cache_bytes_per_token(cfg: MoeConfig, dtype=None) -> int:
 class KVCache:
     """Cache buffers stacked per run of identical layers, the groups of
     :func:`models.stacking.layer_groups` (dense-first layers, then MoE layers; an empty run is absent),
-    in both layer layouts: ``k[g]``, ``v[g]``: [n_g, B, S, H, D] with ``(H, D)`` from
+    in both layer layouts: ``k[g]``, ``v[g]``: [n_g, B, S, Hc, Dc] with ``(Hc, Dc)`` from
     :func:`cache_layout` (GQA: ``(Hkv, head_dim)``), layer j of group g at index j.
     Slot s holds absolute position s.
 
@@ -89,7 +89,7 @@ class KVCache:
         return self.k[0].shape[2]
 
     def layer(self, cfg: MoeConfig, i: int) -> tuple[jax.Array, jax.Array]:
-        """Global layer i's ``(k, v)`` [B, S, H, D]."""
+        """Global layer i's ``(k, v)`` [B, S, Hc, Dc]."""
         for g, (_, ids) in enumerate(layer_groups(cfg)):
             if i in ids:
                 j = ids.index(i)

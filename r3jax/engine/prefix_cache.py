@@ -24,7 +24,7 @@ from models.cache import cache_bytes_per_token
 
 @struct.dataclass
 class BlockPool:
-    """k[g], v[g]: [n_g, C, bs, H, D] per run of layers (the groups of ``KVCache``), holding the
+    """k[g], v[g]: [n_g, C, bs, Hc, Dc] per run of layers (the groups of ``KVCache``), holding the
     cache's bit patterns as unsigned ints of its width (:func:`bits_dtype`); routes: [C, bs, L, K]
     compact dtype.
 
@@ -47,7 +47,7 @@ def _to_bits(x):
 
 
 def init_pool(cfg: MoeConfig, route_dtype, *, capacity: int, block_size: int) -> BlockPool:
-    kv = KVCache.init(cfg, capacity, block_size)  # [n_g, C, bs, H, D]
+    kv = KVCache.init(cfg, capacity, block_size)  # [n_g, C, bs, Hc, Dc]
     routes = jnp.zeros((capacity, block_size, cfg.num_moe_layers, cfg.top_k), route_dtype)
     return BlockPool(k=tuple(map(_to_bits, kv.k)), v=tuple(map(_to_bits, kv.v)), routes=routes)
 

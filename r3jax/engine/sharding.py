@@ -130,9 +130,9 @@ class Placement:
 
     # ---- slot state ----------------------------------------------------------------------------
     def kv(self, rows: int, *, by_row: bool) -> jax.sharding.Sharding:
-        """KV buffers [n, N, S, H, D] (n layers of a run), by their logical axes
+        """KV buffers [n, N, S, Hc, Dc] (n layers of a run), by their logical axes
         (:func:`models.cache.cache_layout`): rows along the slots' axes (slot state only), kv heads
-        along tensor, the layer axis unsharded. k and v differ only in D, which is never split."""
+        along tensor, the layer axis unsharded. k and v differ only in Dc, which is never split."""
         logical = tuple(None if a == self._batch and not by_row else a for a in self._cache.axes)
         shape = (1, rows, 1) + self._cache.k  # n, S never split
         return self.sharding(*self._spec("KV cache", logical, shape, views=True))
