@@ -28,6 +28,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from models import MoeConfig, MoeTransformer
 from models import axes
 from models.axes import ReplicationError
+from models.cache import is_latent
 from r3jax import sharding as batch_axes
 from r3jax.batch import Batch
 from r3jax.engine import slots as dev
@@ -99,13 +100,16 @@ def train_layout(cfg: MoeConfig, chips: int) -> tuple[int, int, int]:
 
 def decode_layouts(cfg: MoeConfig, chips: int, slots: int) -> list[tuple[int, int, int]]:
     """Every (data, tensor, expert) factorisation of ``chips`` the engine can use: tensor divides the
-    kv heads (the KV cache splits by kv head), data divides the slots, and each expert shard keeps
-    >= 2 experts (libtpu 0.0.42 fails on a lone expert per chip)."""
+    kv heads (the KV cache splits by kv head), data divides the slots (data x tensor for MLA's latent
+    cache: DP attention, models/cache.py), and each expert shard keeps >= 2 experts (libtpu 0.0.42
+    fails on a lone expert per chip)."""
     out = []
     for t in _divisors(chips):
         for e in _divisors(chips // t):
             d = chips // (t * e)
-            if cfg.num_kv_heads % t == 0 and cfg.num_experts % e == 0 and cfg.num_experts // e >= 2 and slots % d == 0:
+            slot_split = d * t if is_latent(cfg) else d
+            if cfg.num_kv_heads % t == 0 and cfg.num_experts % e == 0 and cfg.num_experts // e >= 2 \
+                    and slots % slot_split == 0:
                 out.append((d, t, e))
     if not out:
         raise ValueError(f"no (data, tensor, expert) layout of {chips} chips fits slots={slots}, "

@@ -8,6 +8,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from models.fields import FieldError
+
 ROUTERS = ("softmax_topk", "sigmoid_bias_grouped")
 
 
@@ -18,6 +20,9 @@ MOE_IMPLS = ("ragged", "dense", "loop", "gather")
 # activation checkpointing of each decoder layer (models/decoder.py): "none"; "full" saves only the layer's
 # inputs and recomputes the rest in the backward pass; "dots" also saves the matmuls without batch dims
 REMAT_MODES = ("none", "full", "dots")
+
+# MLA's KV cache (models/cache.py): "latent" (c_kv and the shared RoPE key) or "expanded" (per-head k, v)
+MLA_CACHES = ("latent", "expanded")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +45,11 @@ class MoeConfig:
     ``partial_rotary_factor`` of each head; ``clip_qkv`` as OLMoE) or ``"mla"`` (DeepSeek multi-head
     latent attention: ``q_lora_rank`` (0: a plain q projection), ``kv_lora_rank``,
     ``qk_nope_head_dim + qk_rope_head_dim = head_dim``, ``v_head_dim <= head_dim``,
-    ``num_kv_heads = num_heads``; the KV cache holds every head's full key and its value padded to
-    ``head_dim``, so it keeps the GQA cache layout).
+    ``num_kv_heads = num_heads``). ``mla_cache`` (one of ``MLA_CACHES``) picks MLA's KV cache:
+    ``"latent"`` (the default) holds the normalised latent and the shared RoPE key,
+    ``kv_lora_rank + qk_rope_head_dim`` numbers per token and layer, and decodes with the
+    up-projections absorbed into the query and output; ``"expanded"`` holds every head's full key and
+    its value padded to ``head_dim`` (the GQA cache layout; models/cache.py, models/mla.py).
 
     Layer layout (models/stacking.py): ``scan_layers=True`` (the default) stacks each run of identical
     layers (the dense-first layers, then the MoE layers) along a leading layer axis and runs it with one
@@ -92,6 +100,7 @@ class MoeConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = True
+    mla_cache: str = "latent"
     # layer layout and activation checkpointing
     scan_layers: bool = True
     scan_min_layers: int = 4
@@ -135,6 +144,8 @@ class MoeConfig:
                  f"num_heads={self.num_heads} for attention='mla' (the cache holds every head)"),
                 ("q_lora_rank", self.q_lora_rank >= 0, ">= 0 (0: a plain q projection)"),
             ]
+        if self.mla_cache not in MLA_CACHES:
+            raise FieldError("MoeConfig.mla_cache", self.mla_cache, "one of " + ", ".join(map(repr, MLA_CACHES)))
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"MoeConfig.{name}={getattr(self, name)!r}: expected {expected}")

@@ -42,7 +42,7 @@ def stack_modules(modules: list[nnx.Module]) -> nnx.Module:
 def apply_layer(graphdef, state, x, positions, segment_ids, kv, replay_ids, replay_mask, token_mask):
     """One decoder layer as a pure function of its variables ``state``.
 
-    x [B, T, D]; kv: this layer's ``(k, v)`` [B, S, Hkv, Dh] or None; replay_ids [B, T, K] or None.
+    x [B, T, D]; kv: this layer's ``(k, v)`` [B, S, Hc, Dc] or None; replay_ids [B, T, K] or None.
     Returns ``(x, kv, moe)`` with ``moe = (ids [B, T, K], live_ids [B, T, K], aux scalar, load [E])``
     for an MoE layer and None for a dense one.
     """
@@ -71,7 +71,7 @@ def run_layers(graphdef, states, x, *, positions, segment_ids, token_mask, cache
     states: the group's stacked variables (leaves ``[n, ...]``) when ``scanned``, else a list of n
     per-layer ``(graphdef, state)`` pairs (graphdef is then unused). A scanned group of fewer than
     ``min_loop`` layers is lowered unrolled (``MoeConfig.scan_min_layers``). cache_k / cache_v: the group's
-    cache ``[n, B, S, Hkv, Dh]`` or None; replay_ids: ``[n, B, T, K]`` (layer axis first) or None.
+    cache ``[n, B, S, Hc, Dc]`` or None; replay_ids: ``[n, B, T, K]`` (layer axis first) or None.
     Returns ``(x, (cache_k, cache_v), moe)`` with moe the per-layer MoE outputs stacked along a leading
     layer axis (None for a dense group).
     """

@@ -5,23 +5,31 @@ Queries come from a low-rank path (``q_a_proj`` -> RMSNorm -> ``q_b_proj``, or o
 ``kv_b_proj``) plus one RoPE key shared by every head. Each head's query/key is
 ``[nope (qk_nope_head_dim) | rope (qk_rope_head_dim)]``, ``head_dim`` in all.
 
-Cache form (chosen for simplicity and to keep the engine's ``KVCache`` [B, S, Hkv, Dh] layout): the
-cache holds every head's *expanded* key [B, S, H, head_dim] and its value zero-padded from
-``v_head_dim`` to ``head_dim``. That is correct and needs no engine change, but it stores
-``2 * H * head_dim`` numbers per token and layer instead of the latent's ``kv_lora_rank +
-qk_rope_head_dim`` (DeepSeek-V3: 49152 vs 576): a latent cache is the memory-saving follow-up.
+Two cache forms (``MoeConfig.mla_cache``, models/cache.py):
+
+- ``"latent"`` (default): the cache holds the normalised latent c_kv [B, S, 1, kv_lora_rank] and the
+  roped shared key k_rot [B, S, 1, qk_rope_head_dim] (DeepSeek-V3: 576 numbers per token and layer).
+  Attention over it absorbs the up-projection ``kv_b_proj = [W_uk | W_uv]`` per head: the query's
+  nope half goes through W_uk into latent space (q_lat [B, T, H, kv_lora_rank]), so
+  ``score = q_lat . c_kv + q_rot . k_rot`` without expanding any key, and the output is
+  ``(probs @ c_kv) @ W_uv`` per head. Full-sequence calls (no cache) use the expanded form.
+- ``"expanded"``: every head's full key [B, S, H, head_dim] and its value zero-padded to head_dim,
+  the GQA layout read by :func:`models.layers.attend` (``2 * H * head_dim`` numbers: 49152).
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.cache import is_latent
 from models.config import MoeConfig
 from models.layers import RMSNorm, apply_rope, attend
 
 _init = nnx.initializers.normal(stddev=0.02)
 _LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # as models.layers.attend: finite, NaN-free
 
 
 def rope_interleaved(x, positions, theta: float):
@@ -56,7 +64,9 @@ class MLAttention(nnx.Module):
         self.o_proj = nnx.Param(_init(rngs.params(), (h * cfg.v_head_dim, d), pd), logical_axes=("heads", "embed"))
 
     def __call__(self, x, positions, segment_ids=None, kv=None):
-        """x [B, T, D]; positions [B, T]; kv: ``(k, v)`` each [B, S, H, head_dim] or None."""
+        """x [B, T, D]; positions [B, T]; kv: this layer's cache (models/cache.py: latent
+        ``(c_kv [B, S, 1, kv_lora_rank], k_rot [B, S, 1, rope])`` or expanded ``(k, v)`` [B, S, H,
+        head_dim]) or None."""
         cfg, dt = self.cfg, self.cfg.dtype
         b, t, _ = x.shape
         h, nope, rope, vd = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -71,9 +81,37 @@ class MLAttention(nnx.Module):
         k_rot = latent[..., cfg.kv_lora_rank:][:, :, None, :]  # [B, T, 1, rope]: shared by the heads
         rot = rope_interleaved if cfg.rope_interleave else apply_rope
         q_rot, k_rot = rot(q[..., nope:], positions, cfg.rope_theta), rot(k_rot, positions, cfg.rope_theta)
+        if kv is not None and is_latent(cfg):
+            w_kv = w(self.kv_b_proj).reshape(cfg.kv_lora_rank, h, nope + vd)  # [R, H, nope + vd]
+            out, kv = self._attend_latent(q[..., :nope], q_rot, kv_nope, k_rot, w_kv, positions, kv)
+            return out.reshape(b, t, h * vd) @ w(self.o_proj), kv
         q = jnp.concatenate([q[..., :nope], q_rot], axis=-1)
         kvb = (kv_nope @ w(self.kv_b_proj)).reshape(b, t, h, nope + vd)
         k = jnp.concatenate([kvb[..., :nope], jnp.broadcast_to(k_rot, (b, t, h, rope))], axis=-1)
         v = jnp.pad(kvb[..., nope:], ((0, 0), (0, 0), (0, 0), (0, cfg.head_dim - vd)))
         out, kv = attend(cfg, q, k, v, positions, segment_ids, kv)  # [B, T, H, head_dim]
         return out[..., :vd].reshape(b, t, h * vd) @ w(self.o_proj), kv
+
+    def _attend_latent(self, q_nope, q_rot, c_kv, k_rot, w_kv, positions, kv):
+        """Absorbed attention over the latent cache.
+
+        q_nope [B, T, H, nope]; q_rot [B, T, H, rope]; c_kv [B, T, R]; k_rot [B, T, 1, rope]; w_kv
+        [R, H, nope + vd]; kv ``(c [B, S, 1, R], r [B, S, 1, rope])``. New entries are written at their
+        positions; a query at position p sees slots <= p (as :func:`models.layers.attend`). Returns
+        ``(out [B, T, H, vd], new kv)``."""
+        cfg, dt = self.cfg, self.cfg.dtype
+        nope = cfg.qk_nope_head_dim
+        rows = jnp.arange(q_nope.shape[0])[:, None]
+        c = kv[0].at[rows, positions].set(c_kv[:, :, None, :].astype(kv[0].dtype))
+        r = kv[1].at[rows, positions].set(k_rot.astype(kv[1].dtype))
+        c_s, r_s = c[:, :, 0].astype(dt), r[:, :, 0].astype(dt)  # [B, S, R], [B, S, rope]
+        q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_kv[..., :nope])  # the key half absorbed
+        scores = (jnp.einsum("bthr,bsr->bhts", q_lat, c_s)
+                  + jnp.einsum("bthe,bse->bhts", q_rot, r_s)).astype(jnp.float32)
+        scores = scores * (cfg.head_dim ** -0.5)
+        slots = jnp.arange(c.shape[1])
+        mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        scores = jnp.where(mask[:, None], scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        out_lat = jnp.einsum("bhts,bsr->bthr", probs, c_s)
+        return jnp.einsum("bthr,rhv->bthv", out_lat, w_kv[..., nope:]), (c, r)  # the value half absorbed

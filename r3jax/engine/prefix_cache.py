@@ -19,11 +19,12 @@ import numpy as np
 from flax import struct
 
 from models import KVCache, MoeConfig
+from models.cache import cache_bytes_per_token
 
 
 @struct.dataclass
 class BlockPool:
-    """k[g], v[g]: [n_g, C, bs, Hkv, Dh] per run of layers (the groups of ``KVCache``), holding the
+    """k[g], v[g]: [n_g, C, bs, Hc, Dc] per run of layers (the groups of ``KVCache``), holding the
     cache's bit patterns as unsigned ints of its width (:func:`bits_dtype`); routes: [C, bs, L, K]
     compact dtype.
 
@@ -46,7 +47,7 @@ def _to_bits(x):
 
 
 def init_pool(cfg: MoeConfig, route_dtype, *, capacity: int, block_size: int) -> BlockPool:
-    kv = KVCache.init(cfg, capacity, block_size)  # [n_g, C, bs, Hkv, Dh]
+    kv = KVCache.init(cfg, capacity, block_size)  # [n_g, C, bs, Hc, Dc]
     routes = jnp.zeros((capacity, block_size, cfg.num_moe_layers, cfg.top_k), route_dtype)
     return BlockPool(k=tuple(map(_to_bits, kv.k)), v=tuple(map(_to_bits, kv.v)), routes=routes)
 
@@ -95,7 +96,7 @@ class PrefixCache:
 
     def __init__(self, cfg: MoeConfig, route_dtype, *, block_size: int, budget_bytes: int):
         self.cfg, self.route_dtype, self.block_size = cfg, np.dtype(route_dtype), block_size
-        kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
+        kv_bytes = cache_bytes_per_token(cfg)
         self.block_bytes = block_size * (kv_bytes + cfg.num_moe_layers * cfg.top_k * self.route_dtype.itemsize)
         self.capacity = int(budget_bytes) // self.block_bytes
         self.pool: BlockPool | None = None  # set by the engine (preallocated when enabled)

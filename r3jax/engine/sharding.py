@@ -7,7 +7,10 @@ The rules are the serving role of the one logical-axis table (:mod:`models.axes`
 - attention projections by whole heads along ``tensor`` (q/k/v output dim, o input dim); dense MLP
   hidden dim along ``tensor``; embedding and LM head by vocabulary along ``tensor``; norms and the
   router replicated;
-- slot state by slot along ``data`` and the KV cache's kv heads along ``tensor``;
+- slot state by slot along ``data`` and the KV cache's kv heads along ``tensor``; a cache without a
+  head axis (MLA's latent cache) puts its slots, and every per-slot array with them, along
+  ``data`` x ``tensor`` instead (DP attention): the cache declares that through its logical axes
+  (:func:`models.cache.cache_layout`), so the engine has no per-model case;
 - the leading layer axis of stacked (scanned) layers and of the KV cache is never sharded.
 
 An axis the mesh lacks counts as size 1. A mesh axis that cannot split the dim it is meant for (2 kv
@@ -28,6 +31,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from models import axes
+from models.cache import cache_layout
 from r3jax.sharding import place_copy
 
 AXES = axes.MESH_AXES["serve"]
@@ -55,6 +59,8 @@ class Placement:
         self.mesh, self.cfg, self.allow_replication = mesh, cfg, bool(allow_replication)
         self._sizes = {} if mesh is None else axes.mesh_sizes(mesh)
         self._units = axes.head_units(cfg)
+        self._cache = cache_layout(cfg)
+        self._batch = self._cache.batch_axis  # the slots' logical axis: "batch", or "attn_batch" (DP attention)
         self._warned: set[str] = set()  # replication accepted by allow_replication: warned once each
         self.device = jax.devices()[0] if mesh is None else None
 
@@ -66,7 +72,7 @@ class Placement:
         rows, which may stay whole over ``data`` when its rows do not divide."""
         layout = axes.resolve(logical, shape, self._sizes, "serve", self._units)
         if views:
-            unsplit = ((m, tuple(d for d in dims if logical[d] != "batch")) for m, dims in layout.unsplit)
+            unsplit = ((m, tuple(d for d in dims if logical[d] != self._batch)) for m, dims in layout.unsplit)
             layout = layout._replace(unsplit=tuple((m, dims) for m, dims in unsplit if dims))
         mine = [] if notes is None else notes
         out = axes.check_layout(what, logical, shape, self._sizes, layout, units=self._units,
@@ -124,24 +130,39 @@ class Placement:
 
     # ---- slot state ----------------------------------------------------------------------------
     def kv(self, rows: int, *, by_row: bool) -> jax.sharding.Sharding:
-        """KV buffers [n, N, S, Hkv, Dh] (n layers of a run): rows along data (slot state only), kv
-        heads along tensor, the layer axis unsharded."""
-        logical = ("layers", "batch" if by_row else None, None, "kv_heads", None)
-        shape = (1, rows, 1, self.cfg.num_kv_heads, self.cfg.head_dim)  # [n, N, S, Hkv, Dh]; n, S never split
+        """KV buffers [n, N, S, Hc, Dc] (n layers of a run), by their logical axes
+        (:func:`models.cache.cache_layout`): rows along the slots' axes (slot state only), kv heads
+        along tensor, the layer axis unsharded. k and v differ only in Dc, which is never split."""
+        logical = tuple(None if a == self._batch and not by_row else a for a in self._cache.axes)
+        shape = (1, rows, 1) + self._cache.k  # n, S never split
         return self.sharding(*self._spec("KV cache", logical, shape, views=True))
 
     def rows(self, rows: int) -> jax.sharding.Sharding:
-        """Any per-slot array [B, ...]: slots along data."""
-        return self.sharding(*self._spec("slot rows", ("batch",), (rows,), views=True))
+        """Any per-slot array [B, ...]: slots along the cache's slot axes (data, or data x tensor)."""
+        return self.sharding(*self._spec("slot rows", (self._batch,), (rows,), views=True))
 
     def state(self, state):
         """Shardings of a :class:`r3jax.engine.slots.SlotState` (same tree). Its slots must divide
-        over ``data`` (the resident state is not a view)."""
+        over the mesh axes they are split on (the resident state is not a view)."""
         b = state.tokens.shape[0]
-        self._spec("slot state (max_batch_size slots)", ("batch",), (b,))
+        self._check_slots(b)
         tree = jax.tree.map(lambda _: self.rows(b), state)
         kv = self.kv(b, by_row=True)
         return tree.replace(cache=jax.tree.map(lambda _: kv, state.cache))
+
+    def _check_slots(self, b: int) -> None:
+        """max_batch_size ``b`` must divide the devices the slots are split over (:class:`ReplicationError`
+        naming them and the axis that does not divide)."""
+        try:
+            self._spec("slot state (max_batch_size slots)", (self._batch,), (b,))
+        except axes.ReplicationError as err:
+            want = [m for m in axes.rules("serve")[self._batch] if self.size(m) > 1]
+            n = math.prod(self.size(m) for m in want)
+            over = " x ".join(f"{m}={self.size(m)}" for m in want)
+            raise axes.ReplicationError(
+                "max_batch_size", b, f"a multiple of {n}",
+                f"max_batch_size={b}: expected a multiple of {n}, the devices the slots are split over ({over}, "
+                f"logical axis {self._batch!r}): {err}") from None
 
     def pool(self, pool):
         """Shardings of a prefix-cache ``BlockPool``: KV blocks by kv heads, routes replicated."""

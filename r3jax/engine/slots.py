@@ -3,7 +3,8 @@
 Every function here is pure, jitted with the model's graphdef bound, and donates the buffers it
 updates. Layout (B slots, S = cache length, L MoE layers, K experts per token):
 
-- ``SlotState.cache``: ``KVCache`` [n, B, S, Hkv, Dh] per run of n layers; ``routes`` [B, S, L, K] compact dtype.
+- ``SlotState.cache``: ``KVCache`` [n, B, S, Hc, Dc] per run of n layers (models/cache.py); ``routes``
+  [B, S, L, K] compact dtype.
   Position j of the request in slot b lives at ``[b, j]``: a query at position p reads ``<= p``, so
   whatever a previous request left past a slot's length is never read.
 - ``tokens`` / ``logprobs`` [B, S]: token g of the slot's request at column g.
