@@ -89,10 +89,10 @@ def test_pick_block():
     assert pick_block(1031, 512) == 512  # a prime: padded to 1536
 
 
-@pytest.mark.parametrize("variant", ["gqa", "mla"])
-def test_model_logits_and_routes_equal_across_kernels(variant):
-    extra = {"gqa": {}, "mla": dict(attention="mla", num_kv_heads=4, head_dim=12, qk_rope_head_dim=4,
-                                    q_lora_rank=16, kv_lora_rank=8, v_head_dim=6, qk_norm=False)}[variant]
+def test_mla_model_logits_and_routes_equal_across_kernels():
+    # MLA: v padded from v_head_dim to head_dim; packed segments; GQA models run blockwise in every other test
+    extra = dict(attention="mla", num_kv_heads=4, head_dim=12, qk_rope_head_dim=4, q_lora_rank=16, kv_lora_rank=8,
+                 v_head_dim=6, qk_norm=False, num_layers=2)
     tokens = jax.random.randint(jax.random.key(1), (2, 40), 0, 272, dtype=jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(40, dtype=jnp.int32), (2, 40))
     seg = jnp.asarray(np.repeat([[1, 2]], 20, axis=1).repeat(2, 0), jnp.int32)
@@ -109,7 +109,7 @@ _SXS = re.compile(r"\[[^\]]*\b2048\b[^\]]*\b2048\b[^\]]*\]")  # an HLO shape wit
 
 
 def _train_step_hlo(impl: str) -> str:
-    cfg = MoeConfig.tiny(attention_impl=impl, num_layers=2, moe_impl="dense")
+    cfg = MoeConfig.tiny(attention_impl=impl, num_layers=1, first_dense_layers=0, moe_impl="dense")
     graphdef, params, rest = nnx.split(MoeTransformer(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
     tokens = jax.ShapeDtypeStruct((1, 2048), jnp.int32)
 
@@ -158,7 +158,8 @@ def test_splash_compiles_for_a_tpu_topology():
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*shapes, seg).compile()
     text = compiled.as_text()
     assert "tpu_custom_call" in text  # the Pallas kernel, not an XLA fallback
-    assert compiled.memory_analysis().temp_size_in_bytes < b * h * t * t * 4 // 4  # far below dense scores
+    per_chip_scores = (b // len(devs)) * h * t * t * 4  # the f32 scores one chip's rows would materialise
+    assert compiled.memory_analysis().temp_size_in_bytes < per_chip_scores // 4
 
 
 def test_auto_resolves_per_backend_and_the_field_is_validated():
