@@ -64,15 +64,18 @@ def attention_step_s(cfg: MoeConfig, impl: str, seq: int, block_size: int, repea
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2k/4k memory, tiny only, 2 repetitions")
+    ap.add_argument("--presets", default=None, help="comma-separated presets to time (default tiny,small_100m)")
+    ap.add_argument("--blocks", default=None, help="comma-separated blockwise block sizes (default 256,512,1024)")
+    ap.add_argument("--skip-memory", action="store_true", help="time only")
     args = ap.parse_args()
     short, long_ = (2048, 4096) if args.quick else (2048, 8192)
-    blocks = (512,) if args.quick else (256, 512, 1024)
-    presets = {"tiny": MoeConfig.tiny()} if args.quick else {"tiny": MoeConfig.tiny(),
-                                                             "small_100m": MoeConfig.small_100m()}
+    blocks = tuple(int(b) for b in (args.blocks or ("512" if args.quick else "256,512,1024")).split(","))
+    names = (args.presets or ("tiny" if args.quick else "tiny,small_100m")).split(",")
+    presets = {n: getattr(MoeConfig, n)() for n in names}
     repeats = 2 if args.quick else 5
 
     memory = []
-    for impl in ("xla", "blockwise"):
+    for impl in () if args.skip_memory else ("xla", "blockwise"):
         a, b = train_temp_bytes(impl, short), train_temp_bytes(impl, long_)
         memory.append({"impl": impl, f"temp_{short}": a, f"temp_{long_}": b, "ratio": b / a})
     print(table([{"impl": m["impl"], f"temp MiB @{short}": m[f"temp_{short}"] / 2**20,
