@@ -92,7 +92,7 @@ def test_pick_block():
 def test_mla_model_logits_and_routes_equal_across_kernels():
     # MLA: v padded from v_head_dim to head_dim; packed segments; GQA models run blockwise in every other test
     extra = dict(attention="mla", num_kv_heads=4, head_dim=12, qk_rope_head_dim=4, q_lora_rank=16, kv_lora_rank=8,
-                 v_head_dim=6, qk_norm=False, num_layers=2)
+                 v_head_dim=6, qk_norm=False, num_layers=1, first_dense_layers=0)
     tokens = jax.random.randint(jax.random.key(1), (2, 40), 0, 272, dtype=jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(40, dtype=jnp.int32), (2, 40))
     seg = jnp.asarray(np.repeat([[1, 2]], 20, axis=1).repeat(2, 0), jnp.int32)
