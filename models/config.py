@@ -8,6 +8,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from models.attention import ATTENTION_IMPLS
 from models.fields import FieldError
 
 ROUTERS = ("softmax_topk", "sigmoid_bias_grouped")
@@ -49,7 +50,10 @@ class MoeConfig:
     ``"latent"`` (the default) holds the normalised latent and the shared RoPE key,
     ``kv_lora_rank + qk_rope_head_dim`` numbers per token and layer, and decodes with the
     up-projections absorbed into the query and output; ``"expanded"`` holds every head's full key and
-    its value padded to ``head_dim`` (the GQA cache layout; models/cache.py, models/mla.py).
+    its value padded to ``head_dim`` (the GQA cache layout; models/cache.py, models/mla.py). The softmax
+    kernel is ``attention_impl``, one of ``ATTENTION_IMPLS`` (models/attention.py; the same mask in
+    each): ``"auto"`` picks TPU splash, GPU cuDNN or the blockwise XLA kernel (``attention_block`` per
+    block) from the trace-time backend.
 
     Layer layout (models/stacking.py): ``scan_layers=True`` (the default) stacks each run of identical
     layers (the dense-first layers, then the MoE layers) along a leading layer axis and runs it with one
@@ -105,6 +109,11 @@ class MoeConfig:
     scan_layers: bool = True
     scan_min_layers: int = 4
     remat: str = "none"
+    # attention kernel (models/attention.py): "auto" = splash on TPU, cudnn on GPU, blockwise elsewhere
+    # (decided at trace time from jax.default_backend(): compiling for TPU from a CPU host needs "splash");
+    # "xla" the einsum reference; attention_block bounds blockwise's query and key blocks
+    attention_impl: str = "auto"
+    attention_block: int = 512
 
     def __post_init__(self):
         checks = [
@@ -117,6 +126,10 @@ class MoeConfig:
             ("scan_min_layers", isinstance(self.scan_min_layers, int) and not isinstance(self.scan_min_layers, bool)
              and self.scan_min_layers >= 1, "an int >= 1"),
             ("remat", self.remat in REMAT_MODES, "one of " + ", ".join(map(repr, REMAT_MODES))),
+            ("attention_impl", self.attention_impl in ATTENTION_IMPLS,
+             "one of " + ", ".join(map(repr, ATTENTION_IMPLS))),
+            ("attention_block", isinstance(self.attention_block, int) and not isinstance(self.attention_block, bool)
+             and self.attention_block >= 1, "an int >= 1"),
             ("head_dim", self.head_dim % 2 == 0, "even (RoPE rotates pairs)"),
             ("router", self.router in ROUTERS, f"one of {ROUTERS}"),
             ("n_group", self.n_group >= 1 and self.num_experts % self.n_group == 0,
@@ -148,7 +161,9 @@ class MoeConfig:
             raise FieldError("MoeConfig.mla_cache", self.mla_cache, "one of " + ", ".join(map(repr, MLA_CACHES)))
         for name, ok, expected in checks:
             if not ok:
-                raise ValueError(f"MoeConfig.{name}={getattr(self, name)!r}: expected {expected}")
+                value = getattr(self, name)
+                raise FieldError(f"MoeConfig.{name}", value, expected,
+                                 f"MoeConfig.{name}={value!r}: expected {expected}")
 
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:

@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.attention import attention
 from models.config import MoeConfig
 
 _init = nnx.initializers.normal(stddev=0.02)
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked row stays NaN-free
 
 
 class RMSNorm(nnx.Module):
@@ -103,35 +103,23 @@ def attend(cfg: MoeConfig, q, k, v, positions, segment_ids=None, kv=None):
     q [B, T, H, Dh]; k, v [B, T, Hkv, Dh] (after RoPE); positions [B, T]; segment_ids [B, T] or None;
     kv None (full sequence) or the layer's cache ``(k [B, S, Hkv, Dh], v [B, S, Hkv, Dh])``.
     Returns ``(out [B, T, H, Dh], new kv or None)``; scores are scaled by ``cfg.head_dim ** -0.5``.
+    The kernel is ``cfg.attention_impl`` (models/attention.py).
     """
     dt = cfg.dtype
-    b, t = q.shape[:2]
-
     if kv is None:
         # Causal by index within the row, never by position value: right padding (positions 0)
         # then sits after every real token and stays invisible to them (docs/design.md §5).
-        keys, values = k, v
-        idx = jnp.arange(t)
-        mask = jnp.broadcast_to(idx[None, :] <= idx[:, None], (b, t, t))  # [B, T, S=T]
-        if segment_ids is not None:
-            mask &= segment_ids[:, None, :] == segment_ids[:, :, None]
+        keys, values, q_positions = k, v, None
     else:
-        rows = jnp.arange(b)[:, None]
+        rows = jnp.arange(q.shape[0])[:, None]
         keys = kv[0].at[rows, positions].set(k.astype(kv[0].dtype))
         values = kv[1].at[rows, positions].set(v.astype(kv[1].dtype))
         kv = (keys, values)
-        keys, values = keys.astype(dt), values.astype(dt)
-        slots = jnp.arange(keys.shape[1])
-        mask = slots[None, None, :] <= positions[:, :, None]
-
-    groups = cfg.num_heads // cfg.num_kv_heads
-    q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, keys).astype(jnp.float32)
-    scores = scores * (cfg.head_dim ** -0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, values).reshape(b, t, cfg.num_heads, -1)
+        keys, values, q_positions, segment_ids = keys.astype(dt), values.astype(dt), positions, None
+    out = attention(q, keys, values, scale=cfg.head_dim ** -0.5, segment_ids=segment_ids,
+                    q_positions=q_positions, impl=cfg.attention_impl, block=cfg.attention_block)
     return out, kv
+
 
 class DenseMLP(nnx.Module):
     """SwiGLU feed-forward block used by the leading dense layers (``dense_intermediate_size``) and

@@ -19,17 +19,16 @@ Two cache forms (``MoeConfig.mla_cache``, models/cache.py):
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.attention import attention
 from models.cache import is_latent
 from models.config import MoeConfig
 from models.layers import RMSNorm, apply_rope, attend
 
 _init = nnx.initializers.normal(stddev=0.02)
 _LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # as models.layers.attend: finite, NaN-free
 
 
 def rope_interleaved(x, positions, theta: float):
@@ -106,12 +105,10 @@ class MLAttention(nnx.Module):
         r = kv[1].at[rows, positions].set(k_rot.astype(kv[1].dtype))
         c_s, r_s = c[:, :, 0].astype(dt), r[:, :, 0].astype(dt)  # [B, S, R], [B, S, rope]
         q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_kv[..., :nope])  # the key half absorbed
-        scores = (jnp.einsum("bthr,bsr->bhts", q_lat, c_s)
-                  + jnp.einsum("bthe,bse->bhts", q_rot, r_s)).astype(jnp.float32)
-        scores = scores * (cfg.head_dim ** -0.5)
-        slots = jnp.arange(c.shape[1])
-        mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
-        scores = jnp.where(mask[:, None], scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out_lat = jnp.einsum("bhts,bsr->bthr", probs, c_s)
+        # one shared latent "kv head": keys [c_kv | k_rot], values c_kv (MQA over the latent), so every
+        # attention kernel applies and no [H, T, S] scores are held beyond the kernel's blocks
+        out_lat = attention(jnp.concatenate([q_lat, q_rot], axis=-1),
+                            jnp.concatenate([c_s, r_s], axis=-1)[:, :, None], c_s[:, :, None],
+                            scale=cfg.head_dim ** -0.5, q_positions=positions, impl=cfg.attention_impl,
+                            block=cfg.attention_block)  # [B, T, H, R]
         return jnp.einsum("bthr,rhv->bthv", out_lat, w_kv[..., nope:]), (c, r)  # the value half absorbed

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from models import MoeConfig, MoeTransformer
+from models.attention import resolve_impl
 from models.routers import RouterBias
 from models.weights import split_weights
 from r3jax.checks import FieldError, check_int
@@ -456,11 +457,14 @@ class Engine:
 
 def prefill_chunk_limit(cfg: MoeConfig, rows: int, seq_len: int, prefill_chunk: int, *,
                         head_only: bool = True) -> int:
-    """The largest prefill chunk bucket (a power of two, >= 16): ``prefill_chunk`` capped by the
-    f32 attention scores [rows, num_heads, T, seq_len] (``_SCORES_BYTES``) and, for a model whose
+    """The largest prefill chunk bucket (a power of two, >= 16): ``prefill_chunk``, capped with the
+    einsum attention (``attention_impl="xla"``; the other kernels hold O(T * block)) by the f32
+    attention scores [rows, num_heads, T, seq_len] (``_SCORES_BYTES``) and, for a model whose
     LM head runs on every fed position (``head_only=False``), by its logits [rows, T, V]
     (``_LOGITS_BYTES``). With ``head_only`` the vocabulary does not limit the chunk."""
-    cap = min(prefill_chunk, _SCORES_BYTES // (4 * rows * cfg.num_heads * seq_len))
+    cap = prefill_chunk
+    if resolve_impl(cfg.attention_impl) == "xla":  # only the einsum reference holds the whole scores
+        cap = min(cap, _SCORES_BYTES // (4 * rows * cfg.num_heads * seq_len))
     if not head_only:
         cap = min(cap, _LOGITS_BYTES // (4 * rows * cfg.vocab_size))
     return pow2_at_most(max(16, cap))
