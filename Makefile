@@ -36,7 +36,7 @@ demo: $(STAMP)
 # (experiments.train_multiturn, published to experiments/results/demo_summary.json) takes DEMO_ARGS.
 # Then `python -m experiments.readme_tables --write` regenerates docs/measurements.md and the README figures.
 BENCH := bench_model bench_trace bench_decode bench_serve bench_engine transfer_cost replay_mismatch \
-	bench_scan bench_multiprocess bench_ep interop routers replay_rl
+	bench_scan bench_multiprocess bench_ep bench_attention bench_logits interop routers replay_rl
 bench: $(STAMP)
 	@echo "make bench: skipping scale_plan (needs the TPU compiler venv): run 'make scale-plan'"
 	for m in $(BENCH); do \

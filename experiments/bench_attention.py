@@ -8,7 +8,8 @@ and ``blockwise``. Linear memory gives about 4x from 2k to 8k; materialised scor
 (b) Time: forward + backward of the attention of a whole model (each layer's q, k, v shapes at 2k
 tokens, batch 1, f32, causal), blockwise at several block sizes ÷ the einsum reference, median of a few
 repetitions in the same run, for the ``tiny`` and ``small_100m`` presets. The rest of the train step
-(MLP, MoE, embeddings) is the same for every kernel, so the attention alone is the stricter ratio.
+(MLP, MoE, embeddings) is the same for every kernel, so the attention alone is the stricter ratio;
+(c) the whole train step (loss + gradient at [1, 2048]) blockwise ÷ einsum on the same presets.
 Writes experiments/results/bench_attention.json.
 """
 
@@ -39,6 +40,21 @@ def train_temp_bytes(impl: str, seq: int, block_size: int = 512) -> int:
 
     compiled = jax.jit(jax.grad(loss)).lower(params, jax.ShapeDtypeStruct((1, seq), jnp.int32)).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def train_step_s(cfg: MoeConfig, impl: str, seq: int, repeats: int) -> float:
+    """Median seconds of the whole model's loss + gradient at [1, seq] tokens with ``impl``."""
+    cfg = cfg.replace(attention_impl=impl)
+    graphdef, params, rest = nnx.split(MoeTransformer(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    tokens = jax.random.randint(jax.random.key(1), (1, seq), 0, cfg.vocab_size, jnp.int32)
+    positions = jnp.arange(seq, dtype=jnp.int32)[None]
+
+    def loss(p):
+        out = nnx.merge(graphdef, p, rest)(tokens, positions)
+        return jnp.mean(jax.nn.logsumexp(out.logits, axis=-1)) + out.aux_loss
+
+    step = jax.jit(jax.grad(loss))
+    return timeit(lambda: block(step(params)), warmup=1, repeats=repeats)
 
 
 def attention_step_s(cfg: MoeConfig, impl: str, seq: int, block_size: int, repeats: int) -> float:
@@ -91,7 +107,15 @@ def main() -> None:
             timing.append({"preset": name, "impl": "blockwise", "block": bs, "seconds": sec, "ratio": sec / ref})
     print(table([{"preset": t["preset"], "impl": t["impl"], "block": t["block"], "fwd+bwd s": t["seconds"],
                   "÷ xla": t["ratio"]} for t in timing], ["preset", "impl", "block", "fwd+bwd s", "÷ xla"]))
+
+    steps = []  # the whole train step (MoE, MLP, embeddings included) at the default block
+    for name, cfg in presets.items():
+        ref = train_step_s(cfg, "xla", 2048, max(2, repeats // 2))
+        sec = train_step_s(cfg, "blockwise", 2048, max(2, repeats // 2))
+        steps.append({"preset": name, "tokens": 2048, "xla_s": ref, "blockwise_s": sec, "ratio": sec / ref})
+    print(table(steps, ["preset", "tokens", "xla_s", "blockwise_s", "ratio"]))
     write_json("bench_attention", {"seq_lengths": [short, long_], "memory": memory, "timing": timing,
+                                   "train_step": steps,
                                    "memory_widths": MEM_WIDTHS, "quick": args.quick})
 
 

@@ -186,6 +186,24 @@ def bench_multiprocess(d: dict) -> str:
     return _t(d["results"], ["mesh", "B", "S", "one_ms", "one_gloo_ms", "two_ms", "ratio", "ratio_gloo"])
 
 
+def bench_attention(d: dict) -> str:
+    short, long_ = d["seq_lengths"]
+    mem = [{"impl": m["impl"], f"temp_MiB_{short}": m[f"temp_{short}"] / 2**20,
+            f"temp_MiB_{long_}": m[f"temp_{long_}"] / 2**20, f"{long_}÷{short}": m["ratio"]} for m in d["memory"]]
+    return (_t(mem, ["impl", f"temp_MiB_{short}", f"temp_MiB_{long_}", f"{long_}÷{short}"])
+            + "\n\nThe whole train step at 2048 tokens, blockwise ÷ einsum (CPU):\n\n"
+            + _t(d.get("train_step", []), ["preset", "tokens", "xla_s", "blockwise_s", "ratio"])
+            + "\n\nThe attention alone (every layer's forward + backward at 2048 tokens), per block size:\n\n"
+            + _t(d["timing"], ["preset", "impl", "block", "seconds", "ratio"]))
+
+
+def bench_logits(d: dict) -> str:
+    return (_t(d["train"], ["vocab", "tokens", "chunk", "logits_f32_mib", "full_temp_mib", "chunked_temp_mib",
+                            "chunked_over_full", "full_head_mib", "chunked_head_mib", "head_chunked_over_full"])
+            + "\n\nPrefill chunk limit (tokens per chunk) for a Qwen3-30B-A3B-shaped model, 8 rows:\n\n"
+            + _t(d["prefill"], ["vocab", "rows", "max_seq_len", "prefill_chunk", "old_cap", "new_cap"]))
+
+
 @dataclass(frozen=True)
 class Section:
     name: str            # experiments/results/<name>.json
@@ -245,6 +263,17 @@ SECTIONS = [
             "Compile seconds of the jitted train step with scanned and unrolled layers, all-MoE models of tiny "
             "widths; `scanned_loop` forces a real loop where a short run is lowered unrolled by default.",
             bench_scan),
+    Section("bench_attention", "Attention kernels: memory against sequence length, CPU time",
+            "python -m experiments.bench_attention",
+            "Temporaries of the compiled train step (loss + gradient, batch 1) of a small model at 2k and 8k "
+            "tokens with the einsum reference (`xla`) and the blockwise kernel: linear memory gives about 4×, "
+            "materialised scores about 16×. Then CPU seconds, blockwise ÷ einsum, same run "
+            "([kernels.md](kernels.md)).", bench_attention),
+    Section("bench_logits", "Logits in chunks", "python -m experiments.bench_logits",
+            "Temporaries of the compiled train step at a 151,936-token vocabulary with the full-vocabulary "
+            "logits (`logits_chunk=0`) and in chunks of 512; `*_head_mib`: minus the same step at a 1,024-token "
+            "vocabulary (the LM head's and loss's own share). Then the engine's prefill chunk limit with the "
+            "head on every position (old) and on the last prompt token only (new).", bench_logits),
     Section("bench_ep", "Expert parallelism", "python -m experiments.bench_ep",
             "Per-device flops and bytes of the compiled train step on 8 simulated devices ÷ the one-device "
             "program's (ideal 0.125); `shard_map` is the expert-parallel layer, `partitioner` the same step with "
