@@ -150,14 +150,20 @@ def run_cell(cfg, topo_name: str, program: str, *, backend: str, rl_batch: int, 
                               "error": str(e)[:300]})
                 continue
             build_s = time.perf_counter() - t0
-            report = aot_cells.compile_report(fn, args)
+            resident = info["params_bytes"] + info["optimizer_bytes"]
+            if backend == "tpu" and resident > topo.hbm_bytes:
+                # parameters + AdamW state alone exceed HBM on this layout: no program can fit, and
+                # libtpu takes minutes to say so for a 671B model (more data parallelism only adds)
+                report = resident_report(resident, topo.hbm_bytes)
+            else:
+                report = aot_cells.compile_report(fn, args)
             tried.append({"mesh": info["mesh"], "status": report["status"], "compile_s": report["compile_s"],
                           "peak_bytes": report.get("peak_bytes") or report.get("required_bytes"),
                           **({"error": report["error"][:300]} if report["status"] == "error" else {})})
             need = report.get("peak_bytes") or report.get("required_bytes") or float("inf")
             if best is None or report["status"] == "fits" or need < best[0]:
                 best = (need, info, report, build_s)
-            if report["status"] == "fits":
+            if report["status"] == "fits" or report.get("not_compiled"):
                 break  # RESOURCE_EXHAUSTED or a compiler error (libtpu 0.0.42 has layout bugs): try the next
         if best is None:
             raise ReplicationError("layout", layouts, "a layout that replicates no array",
@@ -168,7 +174,11 @@ def run_cell(cfg, topo_name: str, program: str, *, backend: str, rl_batch: int, 
         fn, args, info = aot_cells.decode_program(cfg, devs, slots=rl_batch, seq_len=seq_len,
                                                   decode_steps=decode_steps, layout=layout)
         build_s = time.perf_counter() - t0
-        report = aot_cells.compile_report(fn, args)
+        resident = info["params_bytes"] + info["slot_state_bytes"]
+        if backend == "tpu" and resident > topo.hbm_bytes:
+            report = resident_report(resident, topo.hbm_bytes)
+        else:
+            report = aot_cells.compile_report(fn, args)
     else:
         raise ValueError(f"program={program!r}: expected one of {aot_cells.PROGRAMS}")
     if backend == "cpu" and report["status"] == "fits":
@@ -183,6 +193,13 @@ def run_cell(cfg, topo_name: str, program: str, *, backend: str, rl_batch: int, 
             "scan_layers": getattr(cfg, "scan_layers", None),
             "num_moe_layers": cfg.num_moe_layers, "top_k": cfg.top_k, "num_experts": cfg.num_experts,
             "build_s": build_s, "layouts_tried": tried, **info, **report}
+
+
+def resident_report(resident: int, hbm: int) -> dict:
+    """A cell not compiled because the arrays it keeps resident (parameters + optimizer state, or
+    parameters + the engine's slot state) already exceed one chip's HBM: the lower bound of its peak."""
+    return {"status": "RESOURCE_EXHAUSTED", "compile_s": 0.0, "required_bytes": resident, "available_bytes": hbm,
+            "not_compiled": "resident arrays (parameters + optimizer or slot state) exceed HBM"}
 
 
 def _commit() -> str:
