@@ -64,7 +64,7 @@ def _args(argv=None) -> argparse.Namespace:
                          "on simulated CPU meshes; xla is the reference einsum)")
     ap.add_argument("--stop-at-fit", action="store_true",
                     help="per model and program, skip the topologies with more chips than the first that fits "
-                         "(topologies are visited by chip count)")
+                         "with the headroom (topologies are visited by chip count)")
     ap.add_argument("--cell-timeout", type=float, default=1200.0, help="seconds per cell (its own process)")
     ap.add_argument("--rerun", action="store_true", help="recompute cells already in the results file")
     ap.add_argument("--retry-failed", action="store_true", help="recompute cells that timed out or errored")
@@ -296,6 +296,11 @@ COLUMNS = ["model", "topology", "chips", "program", "mesh", "params GiB/chip", "
            "HBM GiB", "% HBM", "status", "peak before÷after", "compile s", "routes MiB/chip", "routes [B,S,L,K]/chip"]
 
 
+def with_headroom(c: dict) -> bool:
+    """Whether a cell fits with :data:`HEADROOM` of its HBM free."""
+    return c["status"] == "fits" and c["peak_bytes"] <= (1 - HEADROOM) * c["hbm_bytes"]
+
+
 def smallest_fitting(cells: list[dict]) -> dict[str, dict]:
     """Per (model, program): the fitting topology with the fewest chips (then least total HBM) whose peak
     leaves :data:`HEADROOM` of HBM free (a program at 99% of HBM fits the compiler, not a real run), the
@@ -304,7 +309,7 @@ def smallest_fitting(cells: list[dict]) -> dict[str, dict]:
     for c in cells:
         entry = out.setdefault(f"{c['model']}/{c['program']}", {"smallest": None, "resource_exhausted": [],
                                                                "not_compiled": [], "above_headroom": []})
-        if c["status"] == "fits" and c["peak_bytes"] > (1 - HEADROOM) * c["hbm_bytes"]:
+        if c["status"] == "fits" and not with_headroom(c):
             entry["above_headroom"].append(c["topology"])
         elif c["status"] == "fits":
             best = entry["smallest"]
@@ -381,13 +386,13 @@ def main(argv=None) -> int:
                 old = cells[done[key]] if key in done else None
                 if a.stop_at_fit and program in fitted and topo.chips > fitted[program]:
                     continue
-                if old is not None and old["status"] == "fits":
+                if old is not None and with_headroom(old):
                     fitted.setdefault(program, topo.chips)
                 if old is not None and not a.rerun and not (a.retry_failed and old["status"] in ("timeout", "error")):
                     continue
                 print(f"[{time.strftime('%H:%M:%S')}] {model} {topo.name} {program} ({backend}) ...", flush=True)
                 c = _spawn(a, backend, model, topo, program)
-                if c["status"] == "fits":
+                if with_headroom(c):
                     fitted.setdefault(program, topo.chips)
                 print(f"    {c['status']} in {c.get('compile_s', 0):.0f} s, peak "
                       f"{_gib(c.get('peak_bytes') or c.get('required_bytes'))} GiB/chip", flush=True)
