@@ -86,6 +86,9 @@ class MoeConfig:
     # "ragged" (dropless grouped matmul), "dense" (one-hot reference) or "loop" (per-expert loop that
     # skips unchosen experts: decode on CPU)
     moe_impl: str = "ragged"
+    # expert parallelism (models/expert_parallel.py): most tokens one device gathers per exchange; a
+    # device's tokens go through the exchange in chunks so its buffers stay this size whatever the group
+    moe_exchange_tokens: int = 16384
     router_aux_loss_coef: float = 0.001
     # routing (models/routers.py)
     router: str = "softmax_topk"
@@ -121,6 +124,8 @@ class MoeConfig:
             ("top_k", 1 <= self.top_k <= self.num_experts, f"in [1, num_experts={self.num_experts}]"),
             ("first_dense_layers", 0 <= self.first_dense_layers <= self.num_layers,
              f"in [0, num_layers={self.num_layers}]"),
+            ("moe_exchange_tokens", isinstance(self.moe_exchange_tokens, int) and self.moe_exchange_tokens >= 1,
+             "an int >= 1"),
             ("moe_impl", self.moe_impl in MOE_IMPLS, "one of " + ", ".join(map(repr, MOE_IMPLS))),
             ("scan_layers", isinstance(self.scan_layers, bool), "a bool"),
             ("scan_min_layers", isinstance(self.scan_min_layers, int) and not isinstance(self.scan_min_layers, bool)

@@ -99,27 +99,56 @@ def plan(num_tokens: int, num_experts: int, intermediate: int) -> Plan | None:
     return Plan(mesh, batch, _axes(spec[0]), _axes(spec[2]))
 
 
-def experts(kernel, x, ids, weights, gate, up, down):
+def experts(kernel, x, ids, weights, gate, up, down, *, exchange_tokens: int | None = None):
     """``kernel(x, ids, weights, gate, up, down)`` (a :mod:`models.moe` kernel), expert-parallel on
     the ambient mesh when :func:`plan` finds one. x [N, D]; ids/weights [N, K]; gate/up [E, D, I];
-    down [E, I, D] -> [N, D]."""
+    down [E, I, D] -> [N, D]. ``exchange_tokens``: most tokens a device gathers per exchange
+    (:func:`exchange_chunks`); None gathers all of them at once."""
     p = plan(x.shape[0], gate.shape[0], gate.shape[2])
     if p is None:
         return kernel(x, ids, weights, gate, up, down)
     tok = P(p.batch, None)
     # each weight's spec from its own shape: down's I is its dim 1, and may divide where D does not
     wspec = lambda name, w: P(*expert_weight_spec(name, w.shape, dict(p.mesh.shape)))
-    body = lambda *a: _local(kernel, p, *a)
+    body = lambda *a: _local(kernel, p, *a, exchange_tokens=exchange_tokens)
     return jax.shard_map(body, mesh=p.mesh, in_specs=(tok, tok, tok, wspec("gate_proj", gate),
                                                       wspec("up_proj", up), wspec("down_proj", down)),
                          out_specs=tok)(x, ids, weights, gate, up, down)
 
 
-def _local(kernel, p: Plan, x, ids, weights, gate, up, down):
+def exchange_chunks(n: int, group: int, exchange_tokens: int | None) -> int:
+    """How many chunks a device's ``n`` tokens go through the exchange in: the fewest dividing ``n``
+    whose gathered size ``n / chunks * group`` is at most ``exchange_tokens`` (``n`` when none is)."""
+    if exchange_tokens is None or n * group <= exchange_tokens:
+        return 1
+    for c in range(2, n + 1):
+        if n % c == 0 and (n // c) * group <= exchange_tokens:
+            return c
+    return n
+
+
+def _local(kernel, p: Plan, x, ids, weights, gate, up, down, *, exchange_tokens: int | None = None):
     """One device: x/ids/weights [n, ...] its tokens; gate/up [E_l, D, I_l], down [E_l, I_l, D]
-    its expert slices. Returns its tokens' outputs [n, D]."""
+    its expert slices. Returns its tokens' outputs [n, D].
+
+    The exchange holds every token of the group (``n x |exchange|``): at 8192 tokens per device and a
+    group of 128 that is a million tokens per layer. So the device's tokens go through it in chunks
+    (:func:`exchange_chunks`), each under ``jax.checkpoint`` so the backward pass keeps only the
+    chunk's inputs; every token's output is the same as in one exchange."""
     if not p.exchange:
         return kernel(x, ids, weights, gate, up, down)
+    group = math.prod(p.mesh.shape[a] for a in p.exchange)
+    chunks = exchange_chunks(x.shape[0], group, exchange_tokens)
+    if chunks == 1:
+        return _exchange(kernel, p, x, ids, weights, gate, up, down)
+    split = lambda a: a.reshape(chunks, a.shape[0] // chunks, *a.shape[1:])
+    one = jax.checkpoint(lambda c: _exchange(kernel, p, *c, gate, up, down))
+    return jax.lax.map(one, (split(x), split(ids), split(weights))).reshape(x.shape)
+
+
+def _exchange(kernel, p: Plan, x, ids, weights, gate, up, down):
+    """All-gather ``x`` [n, D] (ids, weights [n, K]) over the exchange axes, run my experts on them,
+    sum and scatter the partial outputs back: [n, D]."""
     gather = lambda a: jax.lax.all_gather(a, p.exchange, axis=0, tiled=True)
     x, ids, weights = gather(x), gather(ids), gather(weights)  # [M, ...], M = n * |exchange|
     if p.expert:

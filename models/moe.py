@@ -159,7 +159,8 @@ class MoeBlock(nnx.Module):
                   "gather": experts_gather}[cfg.moe_impl]
         # expert-parallel under a trainer mesh in context (models/expert_parallel.py), else direct
         y = expert_parallel.experts(kernel, xf, ids, weights.astype(dt), self.gate_proj[...].astype(dt),
-                                    self.up_proj[...].astype(dt), self.down_proj[...].astype(dt))
+                                    self.up_proj[...].astype(dt), self.down_proj[...].astype(dt),
+                                    exchange_tokens=cfg.moe_exchange_tokens)
         if cfg.num_shared_experts:
             y = y + self.shared(xf)
         mask = jnp.ones((b * t,), bool) if token_mask is None else token_mask.reshape(b * t)

@@ -1,6 +1,8 @@
 """Expert parallelism (models/expert_parallel.py): on 8 simulated CPU devices the MoE transformer
 under a (data, fsdp, expert) mesh gives the one-device forward and gradients, with replay."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -141,3 +143,47 @@ def test_expert_weight_spec_trailing_dims():
     assert spec("up_proj", (4, 64, 33), sizes) == ("expert", None, None)
     assert spec("up_proj", (6, 64, 33), sizes) == (None, None, None)
     assert spec("gate_proj", (8, 64, 32), {"data": 2, "fsdp": 2, "expert": 1}) == ("fsdp", None, None)
+
+
+def test_exchange_chunks_bound_the_gathered_tokens():
+    assert expert_parallel.exchange_chunks(8192, 128, None) == 1
+    assert expert_parallel.exchange_chunks(64, 8, 1024) == 1                # 512 gathered: one exchange
+    assert expert_parallel.exchange_chunks(8192, 128, 16384) == 64          # 128 tokens x 128 devices
+    assert expert_parallel.exchange_chunks(12, 8, 40) == 3                  # 4 x 8 = 32 <= 40; 6 x 8 = 48 is not
+    assert expert_parallel.exchange_chunks(7, 8, 4) == 7                    # never below one token per chunk
+
+
+def test_chunked_exchange_equals_one_exchange_forward_and_gradient():
+    """64 tokens over (fsdp 2, expert 4): 8 per device, gathered 64 at once or 16 at a time (4 chunks,
+    each under jax.checkpoint); outputs and every gradient agree, and the chunked program's largest
+    gathered buffer holds 16 tokens' rows, not 64."""
+    n, d, i, e, k = 64, 16, 8, 8, 2
+    ks = jax.random.split(jax.random.key(7), 6)
+    x = jax.random.normal(ks[0], (n, d))
+    ids = jnp.argsort(jax.random.uniform(ks[1], (n, e)), -1)[:, :k].astype(jnp.int32)
+    w = jax.random.uniform(ks[2], (n, k))
+    gate, up = (jax.random.normal(kk, (e, d, i)) / d ** 0.5 for kk in ks[3:5])
+    down = jax.random.normal(ks[5], (e, i, d)) / i ** 0.5
+    mesh = make_mesh(1, 2, 4)
+
+    def run(exchange_tokens):
+        loss = lambda *a: jnp.sum(jnp.sin(expert_parallel.experts(moe.experts_ragged, a[0], ids, *a[1:],
+                                                                  exchange_tokens=exchange_tokens)))
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+        with jax.set_mesh(mesh):
+            p = expert_parallel.plan(n, e, i)
+            wsh = lambda name, a: NamedSharding(mesh, P(*expert_parallel.expert_weight_spec(name, a.shape, mesh.shape)))
+            tok = NamedSharding(mesh, P(p.batch))
+            args = jax.device_put((x, w, gate, up, down),
+                                  (tok, tok, wsh("gate_proj", gate), wsh("up_proj", up), wsh("down_proj", down)))
+            return jax.device_get(fn(*args)), fn.lower(*args).as_text()
+
+    (whole, whole_hlo), (chunked, chunked_hlo) = run(None), run(16)
+    assert expert_parallel.exchange_chunks(8, 8, 16) == 4
+    for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(whole)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert np.abs(whole[1][0]).max() > 1e-3
+    # the all-gathered token block: [64, 16] in one exchange, [16, 16] per chunk
+    gathered = lambda hlo: {int(m) for line in hlo.splitlines() if "all_gather" in line
+                            for m in re.findall(r"-> tensor<(\d+)x16xf32>", line)}
+    assert gathered(whole_hlo) == {64} and gathered(chunked_hlo) == {16}
