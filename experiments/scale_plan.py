@@ -72,6 +72,10 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="results file (default experiments/results/scale_plan.json)")
     ap.add_argument("--before", default=None,
                     help=f"an earlier plan for the peak before÷after column (default experiments/results/{BEFORE}.json)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="FILE",
+                    help="write the cells of these results files (e.g. two runs over disjoint models) into --out "
+                         "and print the table; each cell keeps the commit it ran on; a later file's cell replaces "
+                         "an earlier one with the same key")
     ap.add_argument("--cell", default=None, help="MODEL,TOPOLOGY,PROGRAM: run one cell here, print its JSON")
     a = ap.parse_args(argv)
     if a.quick:
@@ -373,7 +377,15 @@ def main(argv=None) -> int:
     from experiments.topologies import topology
 
     path = Path(a.out) if a.out else RESULTS / f"{RESULT}.json"
-    cells = _load(path)
+    if a.merge:
+        merged: dict[tuple, dict] = {}
+        for f in a.merge:
+            merged.update({cell_key(c): c for c in _load(Path(f))})
+        cells = list(merged.values())
+        _write(path, a, backend, cells)
+        a.models, a.topologies = [], []  # nothing to compute: print the merged table below
+    else:
+        cells = _load(path)
     done = {cell_key(c): i for i, c in enumerate(cells)}
     topos = [topology(n) for n in a.topologies]
     if a.stop_at_fit:

@@ -134,3 +134,22 @@ def test_train_layouts_go_from_all_fsdp_towards_data_and_skip_one_expert_per_chi
     # E = 4 on 4 chips would leave one expert per chip (libtpu cannot compile its gradient)
     assert aot_cells.train_layouts(CFG.replace(num_experts=4), 4) == [(2, 2, 1), (4, 1, 1)]
     assert len(aot_cells.train_layouts(CFG, 256)) == 6
+
+
+def test_merge_joins_runs_over_disjoint_models_and_keeps_each_cells_commit(tmp_path, capsys):
+    import json
+
+    def cell(model, commit, peak):
+        return {"model": model, "topology": "v5p:2x2x1", "chips": 4, "program": "train", "backend": "tpu",
+                "rl_batch": 256, "seq_len": 8192, "commit": commit, "status": "fits", "peak_bytes": peak,
+                "hbm_bytes": 100, "compile_s": 1.0}
+
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "out.json"
+    a.write_text(json.dumps({"cells": [cell("m1", "abc1234", 10), cell("m2", "abc1234", 20)]}))
+    b.write_text(json.dumps({"cells": [cell("m2", "def5678", 30), cell("m3", "def5678", 40)]}))
+    assert scale_plan.main(["--merge", str(a), str(b), "--out", str(out), "--backend", "cpu",
+                            "--before", str(tmp_path / "none.json")]) == 0
+    cells = {c["model"]: c for c in json.loads(out.read_text())["cells"]}
+    assert sorted(cells) == ["m1", "m2", "m3"]
+    assert (cells["m1"]["commit"], cells["m2"]["commit"], cells["m2"]["peak_bytes"]) == ("abc1234", "def5678", 30)
+    assert "m3/train: smallest fitting v5p:2x2x1 (4 chips)" in capsys.readouterr().out
