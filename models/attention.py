@@ -19,8 +19,8 @@ Implementations (``impl``, :data:`ATTENTION_IMPLS`):
   ``jax.shard_map`` over the batch axes of the current mesh; the cache form falls back to blockwise.
 - ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` where cuDNN covers the mask
   (full-sequence form, no segment ids, 16-bit inputs); anything else falls back to blockwise.
-- ``"auto"``: splash on TPU, cudnn on GPU, blockwise elsewhere, decided from ``jax.default_backend()``
-  at trace time. Compiling ahead of time for a TPU topology from a CPU host traces on the CPU backend,
+- ``"auto"``: splash on TPU, cudnn on GPU, blockwise elsewhere (the einsum when the keys fit in one
+  block: the same memory, a cheaper compile), decided from ``jax.default_backend()`` at trace time. Compiling ahead of time for a TPU topology from a CPU host traces on the CPU backend,
   so such a program must set ``"splash"`` explicitly.
 
 A query row with no visible key (only possible for blockwise padding, never under the contract above:
@@ -54,7 +54,10 @@ def attention(q, k, v, *, scale: float, segment_ids=None, q_positions=None, impl
     ``h // (H / Hkv)``); segment_ids [B, T] int or None (full-sequence form only); q_positions [B, T]
     int or None. Scores are ``scale * q . k`` in float32. Returns out [B, T, H, Dv] in q's dtype.
     """
-    impl = resolve_impl(impl)
+    auto, impl = impl == "auto", resolve_impl(impl)
+    if auto and impl == "blockwise" and k.shape[1] <= block:
+        # one key block: blockwise would hold the same [T, S] tile of scores, and the einsum compiles faster
+        impl = "xla"
     if q_positions is not None and segment_ids is not None:
         raise ValueError("segment_ids: expected None in the cache form (q_positions given)")
     if q_positions is None and q.shape[1] != k.shape[1]:
