@@ -90,18 +90,24 @@ def test_ep_forward_and_grads_equal_one_device(one_device, mesh_name, num_expert
     assert expert_grad > 1e-3 and np.abs(grads1["moe_layers"]["mlp"]["router"][...]).max() > 1e-3
 
 
+def _layer_inputs(n, d, i, e, k, seed):
+    """One MoE layer's kernel inputs: x [n, d], K distinct ids [n, k], gates [n, k], gate/up [e, d, i], down [e, i, d]."""
+    ks = jax.random.split(jax.random.key(seed), 6)
+    x = jax.random.normal(ks[0], (n, d))
+    ids = jnp.argsort(jax.random.uniform(ks[1], (n, e)), -1)[:, :k].astype(jnp.int32)
+    w = jax.random.uniform(ks[2], (n, k))
+    gate, up = (jax.random.normal(kk, (e, d, i)) / d ** 0.5 for kk in ks[3:5])
+    down = jax.random.normal(ks[5], (e, i, d)) / i ** 0.5
+    return x, ids, w, gate, up, down
+
+
 @pytest.mark.parametrize("kernel,with_grad", [("ragged", True), ("dense", True), ("loop", False),
                                               ("gather", False)])
 def test_every_kernel_under_ep_with_the_hidden_dim_split(kernel, with_grad):
     """E=4 on (fsdp 2, expert 4): one expert per device along expert, its I split over fsdp. The
     decode kernels (loop, gather) forward only: their gradients compile slowly."""
     n, d, i, e, k = 64, 16, 8, 4, 2
-    ks = jax.random.split(jax.random.key(5), 6)
-    x = jax.random.normal(ks[0], (n, d))
-    ids = jnp.argsort(jax.random.uniform(ks[1], (n, e)), -1)[:, :k].astype(jnp.int32)
-    w = jax.random.uniform(ks[2], (n, k))
-    gate, up = (jax.random.normal(kk, (e, d, i)) / d ** 0.5 for kk in ks[3:5])
-    down = jax.random.normal(ks[5], (e, i, d)) / i ** 0.5
+    x, ids, w, gate, up, down = _layer_inputs(n, d, i, e, k, seed=5)
     fn = getattr(moe, f"experts_{kernel}")
     loss = lambda *a: jnp.sum(jnp.sin(expert_parallel.experts(fn, a[0], ids, *a[1:])))
     grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)) if with_grad else loss)
@@ -158,12 +164,7 @@ def test_chunked_exchange_equals_one_exchange_forward_and_gradient():
     each under jax.checkpoint); outputs and every gradient agree, and the chunked program's largest
     gathered buffer holds 16 tokens' rows, not 64."""
     n, d, i, e, k = 64, 16, 8, 8, 2
-    ks = jax.random.split(jax.random.key(7), 6)
-    x = jax.random.normal(ks[0], (n, d))
-    ids = jnp.argsort(jax.random.uniform(ks[1], (n, e)), -1)[:, :k].astype(jnp.int32)
-    w = jax.random.uniform(ks[2], (n, k))
-    gate, up = (jax.random.normal(kk, (e, d, i)) / d ** 0.5 for kk in ks[3:5])
-    down = jax.random.normal(ks[5], (e, i, d)) / i ** 0.5
+    x, ids, w, gate, up, down = _layer_inputs(n, d, i, e, k, seed=7)
     mesh = make_mesh(1, 2, 4)
 
     def run(exchange_tokens):
