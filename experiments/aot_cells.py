@@ -6,7 +6,7 @@ structure is the trainer's own), the engine's slot state from ``jax.eval_shape``
 (:func:`r3jax.train.state_shardings`, :func:`r3jax.sharding.batch_sharding`) or the engine
 (:class:`r3jax.engine.sharding.Placement`) would give it. The programs are the trainer's own jitted
 step (:func:`r3jax.train.make_train_step`, R3 replay) and the engine's decode program
-(:func:`r3jax.engine.slots.decode`, jitted as ``Engine._build_decode`` does) lowered at those inputs
+(:func:`r3jax.engine.slot.slots.decode`, jitted as ``Engine._build_decode`` does) lowered at those inputs
 and compiled; per-chip bytes come from each leaf's shard shape, peak memory from XLA.
 """
 
@@ -31,8 +31,8 @@ from models.axes import ReplicationError
 from models.cache import is_latent
 from r3jax import sharding as batch_axes
 from r3jax.batch import Batch
-from r3jax.engine import slots as dev
-from r3jax.engine.engine import decode_program as engine_decode_program
+from r3jax.engine.slot import slots as dev
+from r3jax.engine.slot.engine import decode_program as engine_decode_program
 from r3jax.engine.programs import round_up
 from r3jax.engine.sharding import AXES as ENGINE_AXES
 from r3jax.engine.sharding import Placement

@@ -8,7 +8,7 @@ Train step: the real ``r3jax.train`` step (value_and_grad of the policy loss, sg
 tokens; ``memory_analysis().temp_size_in_bytes`` with ``LossConfig.logits_chunk`` = 0 (one [S, V]
 computation) and = 512, and their ratio; ``base``: the same step at a 1024-token vocabulary (what
 attention, whose [S, S] scores XLA:CPU materialises, and the MoE hold), so ``*_head`` = temp - base
-is the LM head's and the loss's share. Prefill: :func:`r3jax.engine.engine.prefill_chunk_limit`
+is the LM head's and the loss's share. Prefill: :func:`r3jax.engine.slot.engine.prefill_chunk_limit`
 for the vocabulary's Qwen3-30B-A3B-shaped config (32 heads) at 8 prefill rows, with the head only at
 the last token (now) and on every position (the logits-bound rule a model without ``logits(hidden)``
 still gets). Writes experiments/results/bench_logits.json.
@@ -26,7 +26,7 @@ from experiments.common import table, write_json
 from models import MoeConfig, MoeTransformer
 from r3jax import train
 from r3jax.batch import Batch
-from r3jax.engine.engine import prefill_chunk_limit
+from r3jax.engine.slot.engine import prefill_chunk_limit
 
 WIDTHS = dict(hidden_size=64, num_layers=2, first_dense_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
               num_experts=8, top_k=2, moe_intermediate_size=32, dense_intermediate_size=64)

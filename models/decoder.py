@@ -65,7 +65,7 @@ def _layer_fn(graphdef, remat: str, scanned: bool):
 
 
 def run_layers(graphdef, states, x, *, positions, segment_ids, token_mask, cache_k, cache_v, replay_ids,
-               replay_mask, remat: str, scanned: bool, min_loop: int = 1):
+               replay_mask, remat: str, scanned: bool, min_loop: int = 1, cache_meta=None):
     """Run a group of n identical layers.
 
     states: the group's stacked variables (leaves ``[n, ...]``) when ``scanned``, else a list of n
@@ -73,11 +73,19 @@ def run_layers(graphdef, states, x, *, positions, segment_ids, token_mask, cache
     ``min_loop`` layers is lowered unrolled (``MoeConfig.scan_min_layers``). cache_k / cache_v: the group's
     cache ``[n, B, S, Hc, Dc]`` or None; replay_ids: ``[n, B, T, K]`` (layer axis first) or None.
     Returns ``(x, (cache_k, cache_v), moe)`` with moe the per-layer MoE outputs stacked along a leading
-    layer axis (None for a dense group).
+    layer axis (None for a dense group). cache_meta: a :class:`models.paged.PagedMeta` when the cache
+    is a page pool ``[n, P, ps, Hc, Dc]`` (each layer then sees a :class:`models.paged.PagedLayer`).
     """
     def step(carry, j, fn, state, rid):
         h, ck, cv = carry
-        kv = None if ck is None else (ck[j], cv[j])
+        if ck is None:
+            kv = None
+        elif cache_meta is None:
+            kv = (ck[j], cv[j])
+        else:
+            from models.paged import PagedLayer
+
+            kv = PagedLayer(ck[j], cv[j], cache_meta)
         h, kv, moe = fn(state, h, positions, segment_ids, kv, rid, replay_mask, token_mask)
         if ck is not None:  # write this layer's slice back into the carried stack (in place)
             ck = jax.lax.dynamic_update_index_in_dim(ck, kv[0], j, 0)

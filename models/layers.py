@@ -106,6 +106,13 @@ def attend(cfg: MoeConfig, q, k, v, positions, segment_ids=None, kv=None):
     The kernel is ``cfg.attention_impl`` (models/attention.py).
     """
     dt = cfg.dtype
+    if kv is not None and not isinstance(kv, tuple):  # a page pool (models/paged.py)
+        from models import paged
+
+        pk, pv = paged.write(kv.k, k, kv.meta, dt), paged.write(kv.v, v, kv.meta, dt)
+        out = paged.ragged_attention(q, (pk,), pv, positions, kv.meta, scale=cfg.head_dim ** -0.5, dtype=dt,
+                                     impl=cfg.attention_impl)
+        return out, (pk, pv)
     if kv is None:
         # Causal by index within the row, never by position value: right padding (positions 0)
         # then sits after every real token and stays invisible to them (docs/design.md §5).

@@ -100,11 +100,19 @@ class MLAttention(nnx.Module):
         ``(out [B, T, H, vd], new kv)``."""
         cfg, dt = self.cfg, self.cfg.dtype
         nope = cfg.qk_nope_head_dim
+        q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_kv[..., :nope])  # the key half absorbed
+        if not isinstance(kv, tuple):  # a page pool (models/paged.py): the same MQA over the latent pages
+            from models import paged
+
+            c = paged.write(kv.k, c_kv[:, :, None, :], kv.meta, dt)
+            r = paged.write(kv.v, k_rot, kv.meta, dt)
+            out_lat = paged.ragged_attention(jnp.concatenate([q_lat, q_rot], axis=-1), (c, r), c, positions, kv.meta,
+                                             scale=cfg.head_dim ** -0.5, dtype=dt, impl=cfg.attention_impl)
+            return jnp.einsum("bthr,rhv->bthv", out_lat, w_kv[..., nope:]), (c, r)
         rows = jnp.arange(q_nope.shape[0])[:, None]
         c = kv[0].at[rows, positions].set(c_kv[:, :, None, :].astype(kv[0].dtype))
         r = kv[1].at[rows, positions].set(k_rot.astype(kv[1].dtype))
         c_s, r_s = c[:, :, 0].astype(dt), r[:, :, 0].astype(dt)  # [B, S, R], [B, S, rope]
-        q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_kv[..., :nope])  # the key half absorbed
         # one shared latent "kv head": keys [c_kv | k_rot], values c_kv (MQA over the latent), so every
         # attention kernel applies and no [H, T, S] scores are held beyond the kernel's blocks
         out_lat = attention(jnp.concatenate([q_lat, q_rot], axis=-1),

@@ -2,7 +2,7 @@
 
 Every shape a program sees comes from the engine's configuration (slots, cache length, prefill rows,
 prefill buckets, attention windows, read-out lengths), never from traffic, so the set of programs is
-known before the first request and warm-up (:mod:`r3jax.engine.warmup`) compiles all of them.
+known before the first request and warm-up (:meth:`r3jax.engine.Engine.warmup`) compiles all of them.
 Programs are compiled ahead of time (``jit(...).lower(...).compile()``) and called directly, so a call
 with any other shape or placement fails loudly instead of compiling quietly.
 """

@@ -142,7 +142,7 @@ class Placement:
         return self.sharding(*self._spec("slot rows", (self._batch,), (rows,), views=True))
 
     def state(self, state):
-        """Shardings of a :class:`r3jax.engine.slots.SlotState` (same tree). Its slots must divide
+        """Shardings of a :class:`r3jax.engine.slot.slots.SlotState` (same tree). Its slots must divide
         over the mesh axes they are split on (the resident state is not a view)."""
         b = state.tokens.shape[0]
         self._check_slots(b)

@@ -82,7 +82,7 @@ def test_engine_refuses_a_mesh_that_would_replicate_its_kv_heads():
 def test_slot_state_must_divide_over_data_but_a_view_of_one_row_may_stay_whole():
     import functools
 
-    from r3jax.engine import slots
+    from r3jax.engine.slot import slots
     from r3jax.engine.sharding import Placement
     from r3jax.engine.sharding import make_mesh as engine_mesh
     from r3jax.routes import route_dtype

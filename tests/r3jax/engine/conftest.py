@@ -12,8 +12,8 @@ from r3jax.engine import Engine
 
 REF_ROWS, REF_LEN = 4, 64  # the reference forward always runs at this shape: one compilation
 # one engine configuration for the whole directory: equal configurations share compiled programs
-ENGINE_KW = dict(max_seq_len=64, max_batch_size=4, block_size=8, prefill_chunk=32, min_prefill_chunk=32,
-                 prefill_rows=4, moe_impl="dense")  # dense: the cheapest kernel to compile (gather: test_kernels.py)
+ENGINE_KW = dict(max_seq_len=64, max_batch_size=4, block_size=8, prefill_chunk=32, prefill_rows=2,
+                 moe_impl="dense")  # dense: the cheapest kernel to compile (gather: test_kernels.py)
 
 
 @pytest.fixture(scope="session")

@@ -104,7 +104,7 @@ def test_blocks_stored_then_loaded_come_back_bit_for_bit(dtype):
     import jax.numpy as jnp
 
     from models import KVCache
-    from r3jax.engine.prefix_cache import init_pool, load_blocks, store_blocks
+    from r3jax.engine.slot.prefix_cache import init_pool, load_blocks, store_blocks
 
     cfg = MoeConfig.tiny(dtype=getattr(jnp, dtype))
     bs, cap = 8, 6

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from r3jax.engine import slots as dev
+from r3jax.engine.slot import slots as dev
 
 
 def _abstract(tree, shardings):

@@ -1,4 +1,4 @@
-"""The engine's scheduling loop: one thread owns the device state and alternates admission, a decode
+"""The previous engine's scheduling loop: one thread owns the device state and alternates admission, a decode
 call and harvesting.
 
 Each turn of the loop:
@@ -33,6 +33,7 @@ from typing import Any, Callable
 import numpy as np
 
 from r3jax.engine.errors import EngineAborted, EngineClosed, EngineFailedError
+from r3jax.engine.loop import _CannotContinue, _say, _settle
 from r3jax.engine.request import GenerateRequest
 
 log = logging.getLogger("r3jax.engine")
@@ -263,22 +264,3 @@ class Scheduler:
             _settle(job.future, error=err)
         for op in controls:
             _settle(op.future, error=op_err)
-
-
-class _CannotContinue(RuntimeError):
-    """The scheduler could not recover from a failed step (its message is the engine's failure reason)."""
-
-
-def _say(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
-def _settle(future: concurrent.futures.Future, *, result=None, error: BaseException | None = None) -> None:
-    """Complete a future unless its caller cancelled it meanwhile (then there is nobody to tell)."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except concurrent.futures.InvalidStateError:
-        pass

@@ -81,7 +81,7 @@ def begin_prefill(cfg: MoeConfig, route_dtype, pool, row, blk, slot, *, rows: in
     """A scratch ``(cache [N, Sp], routes [N, Sp, L, K])`` with prefix-cache blocks loaded:
     block ``blk[n]`` of row ``row[n]`` <- ``pool[slot[n]]`` (row == N: padding, dropped). pool may be
     None (prefix cache off)."""
-    from r3jax.engine.prefix_cache import load_blocks
+    from r3jax.engine.slot.prefix_cache import load_blocks
 
     cache = KVCache.init(cfg, rows, seq_len)
     routes = jnp.zeros((rows, seq_len, cfg.num_moe_layers, cfg.top_k), route_dtype)

@@ -1,0 +1,212 @@
+"""A paged KV cache and ragged attention over it: what the engine's mixed prefill + decode steps run on.
+
+Pool layout (per run of identical layers, as :class:`models.KVCache`): ``k[g]``, ``v[g]``
+[n_g, num_pages, page_size, Hc, Dc] with ``(Hc, Dc)`` from :func:`models.cache.cache_layout`. Page 0
+is the trash page: padding writes there and nothing real is ever read from it. A float pool may be
+stored as the unsigned ints of its width (CPU: XLA runs a 16-bit float scatter in f32 over the whole
+buffer; an int scatter touches only the written rows); reads bitcast back.
+
+A step feeds ``N = decode_rows + prefill_rows * prefill_len`` tokens as one ``[1, N]`` batch (the
+model's projections, MLPs and experts see every token of the step at once, so the weights are read
+once per step). Attention splits them by the static :class:`RaggedLayout`: ``decode_rows`` rows of
+one token (the first ``decode_rows`` tokens), then ``prefill_rows`` rows of ``prefill_len`` tokens (a
+chunk of some prompt each; several rows may be consecutive chunks of one prompt). Each row has a page
+table; each token is written at ``(page, offset)`` first (:class:`PagedMeta`), then every query
+attends over its row's pages to keys at positions ``<=`` its own, so a chunk sees the chunks before it
+in the same step.
+
+Kernels (:func:`ragged_attention`): on TPU the Pallas ragged paged attention kernel
+(:mod:`models.ragged_tpu`) when it is available; elsewhere an XLA kernel that walks the row's pages
+in blocks with an online softmax, for as many blocks as the longest row in the group needs (a
+dynamic trip count: a decode step reads the live pages only, never ``max_seq_len``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from models.attention import MASK_VALUE
+from models.cache import cache_layout
+from models.config import MoeConfig
+from models.stacking import layer_groups
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedLayout:
+    """Static shape of one step: ``decode_rows`` rows of 1 token, then ``prefill_rows`` rows of
+    ``prefill_len`` tokens; ``pages_per_row`` columns of every page table; ``block_pages`` pages per
+    key block of the XLA kernel (``pages_per_row`` is a multiple of it)."""
+
+    decode_rows: int
+    prefill_rows: int
+    prefill_len: int
+    pages_per_row: int
+    block_pages: int = 1
+
+    @property
+    def rows(self) -> int:
+        return self.decode_rows + self.prefill_rows
+
+    @property
+    def tokens(self) -> int:
+        return self.decode_rows + self.prefill_rows * self.prefill_len
+
+
+@struct.dataclass
+class PagedMeta:
+    """Where a step's tokens go and what each row reads (device arrays).
+
+    table [R, pages_per_row] int32: row r's pages in position order (unused entries 0); page [N],
+    offset [N] int32: where token n's key/value is written (padding: page 0); kv_len [R] int32: one past
+    the last position any query of row r attends to (a padding row: 1). layout: static."""
+
+    table: jax.Array
+    page: jax.Array
+    offset: jax.Array
+    kv_len: jax.Array
+    layout: RaggedLayout = struct.field(pytree_node=False)
+
+
+@struct.dataclass
+class PagedCache:
+    """The page pool handed to the model (``model(tokens [1, N], positions [1, N], cache=...)``):
+    ``k``, ``v`` per layer group (module docstring) plus this step's :class:`PagedMeta`."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    meta: PagedMeta
+
+    @staticmethod
+    def init_pool(cfg: MoeConfig, num_pages: int, page_size: int, *, bits: bool = False, dtype=None):
+        """``(k, v)`` tuples of zeroed pages; ``bits``: stored as unsigned ints of the float's width."""
+        dtype = np.dtype(cfg.dtype if dtype is None else dtype)
+        if bits and np.issubdtype(dtype, np.floating):
+            dtype = np.dtype(f"uint{8 * dtype.itemsize}")
+        lay = cache_layout(cfg)
+        zeros = lambda hd: tuple(jnp.zeros((len(ids), num_pages, page_size) + hd, dtype)
+                                 for _, ids in layer_groups(cfg))
+        return zeros(lay.k), zeros(lay.v)
+
+
+@struct.dataclass
+class PagedLayer:
+    """One layer's view inside the model: its pages ``k``, ``v`` [P, ps, Hc, Dc] and the step's meta.
+    Indexable like the ``(k, v)`` tuple of a contiguous cache (``kv[0]``, ``kv[1]``)."""
+
+    k: jax.Array
+    v: jax.Array
+    meta: PagedMeta
+
+    def __getitem__(self, i):
+        return (self.k, self.v)[i]
+
+
+def _stored(x, like, dtype):
+    """``x`` in the storage dtype of ``like`` (the bit patterns of ``dtype`` for an unsigned-int pool)."""
+    if jnp.issubdtype(like.dtype, jnp.unsignedinteger):
+        return jax.lax.bitcast_convert_type(x.astype(dtype), like.dtype)
+    return x.astype(like.dtype)
+
+
+def _loaded(x, dtype):
+    """Pages read back as ``dtype`` (the cache's float dtype; an unsigned-int pool holds its bits)."""
+    if jnp.issubdtype(x.dtype, jnp.unsignedinteger):
+        return jax.lax.bitcast_convert_type(x, dtype)
+    return x.astype(dtype)
+
+
+def write(pages, new, meta: PagedMeta, dtype):
+    """Write ``new`` [1, N, Hc, Dc] (this step's keys or values, cache dtype ``dtype``) into ``pages``
+    [P, ps, Hc, Dc]."""
+    return pages.at[meta.page, meta.offset].set(_stored(new[0], pages, dtype))
+
+
+def ragged_attention(q, keys, values, positions, meta: PagedMeta, *, scale: float, dtype, impl: str = "auto"):
+    """Attention of a step's queries over their rows' pages (the module docstring has the layout).
+
+    q [1, N, H, Dq]; keys: a tuple of page arrays [P, ps, Hkv, d_i] whose gathers are concatenated on
+    the last axis into the key (GQA: ``(k,)``; MLA's latent cache: ``(c_kv, k_rot)``); values [P, ps,
+    Hkv, Dv]; positions [1, N]. Returns [1, N, H, Dv] in q's dtype.
+    """
+    lay = meta.layout
+    q, pos = q[0], positions[0]
+    d, p = lay.decode_rows, lay.prefill_rows
+    outs = []
+    if d:
+        outs.append(_paged_rows(q[:d][:, None], keys, values, pos[:d][:, None], meta.table[:d], meta.kv_len[:d],
+                                block_pages=lay.block_pages, scale=scale, dtype=dtype)[:, 0])
+    if p:
+        t = lay.prefill_len
+        qp = q[d:].reshape(p, t, *q.shape[1:])
+        out = _paged_rows(qp, keys, values, pos[d:].reshape(p, t), meta.table[d:], meta.kv_len[d:],
+                          block_pages=lay.block_pages, scale=scale, dtype=dtype)
+        outs.append(out.reshape(p * t, *out.shape[2:]))
+    return jnp.concatenate(outs, axis=0)[None] if len(outs) > 1 else outs[0][None]
+
+
+def _paged_rows(q, keys, values, q_pos, table, kv_len, *, block_pages: int, scale: float, dtype):
+    """Online-softmax attention of rows of queries over their page tables.
+
+    q [R, T, H, Dq]; q_pos [R, T]; table [R, Pmax]; kv_len [R]. Key block i covers the row's pages
+    ``[i * block_pages, (i + 1) * block_pages)``; the loop runs ``ceil(max(kv_len) / block)`` times.
+    Returns [R, T, H, Dv] in q's dtype."""
+    r, t, h, dq = q.shape
+    hkv, dv = values.shape[2], values.shape[3]
+    g = h // hkv
+    ps = values.shape[1]
+    block = block_pages * ps
+    qg = q.reshape(r, t, hkv, g, dq).astype(dtype)
+    n_blocks = (jnp.max(kv_len) + block - 1) // block
+
+    def gather(pages, cols):  # pages [P, ps, Hkv, d] -> [R, block, Hkv, d]
+        x = pages[cols]  # [R, block_pages, ps, Hkv, d]
+        return _loaded(x.reshape(r, block, *x.shape[3:]), dtype)
+
+    def body(i, carry):
+        m, l, acc = carry
+        cols = jax.lax.dynamic_slice_in_dim(table, i * block_pages, block_pages, axis=1)
+        k = jnp.concatenate([gather(kp, cols) for kp in keys], axis=-1) if len(keys) > 1 else gather(keys[0], cols)
+        v = gather(values, cols)
+        s = jnp.einsum("rtkgd,rskd->rkgts", qg, k).astype(jnp.float32) * scale
+        k_pos = i * block + jnp.arange(block)
+        vis = k_pos[None, None, :] <= q_pos[:, :, None]  # [R, T, block]
+        s = jnp.where(vis[:, None, None], s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(-1))
+        corr = jnp.exp(m - m_new)
+        pr = jnp.exp(s - m_new[..., None])
+        l = l * corr + pr.sum(-1)
+        acc = acc * corr[..., None] + jnp.einsum("rkgts,rskd->rkgtd", pr.astype(dtype), v).astype(jnp.float32)
+        return m_new, l, acc
+
+    init = (jnp.full((r, hkv, g, t), MASK_VALUE, jnp.float32), jnp.zeros((r, hkv, g, t), jnp.float32),
+            jnp.zeros((r, hkv, g, t, dv), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    out = acc / jnp.maximum(l, 1e-30)[..., None]  # [R, Hkv, G, T, Dv]
+    return jnp.moveaxis(out, 3, 1).reshape(r, t, h, dv).astype(q.dtype)
+
+
+def pages_reference(q, keys, values, positions, meta: PagedMeta, *, scale: float, dtype=jnp.float32):
+    """Dense numpy reference of :func:`ragged_attention` (tests): gathers every row's whole page table."""
+    q, pos = np.asarray(q[0], np.float64), np.asarray(positions[0])
+    lay = meta.layout
+    keys = [np.asarray(_loaded(k, dtype).astype(jnp.float32), np.float64) for k in keys]
+    values = np.asarray(_loaded(values, dtype).astype(jnp.float32), np.float64)
+    table, out = np.asarray(meta.table), np.zeros(q.shape[:2] + (values.shape[-1],))
+    row_of = [r for r in range(lay.decode_rows)] + [lay.decode_rows + r for r in range(lay.prefill_rows)
+                                                   for _ in range(lay.prefill_len)]
+    h, hkv = q.shape[1], values.shape[2]
+    for n, r in enumerate(row_of):
+        k = np.concatenate([kp[table[r]].reshape(-1, hkv, kp.shape[-1]) for kp in keys], -1)
+        v = values[table[r]].reshape(-1, hkv, values.shape[-1])
+        seen = np.arange(k.shape[0]) <= pos[n]
+        for head in range(h):
+            kh = head // (h // hkv)
+            s = (k[seen, kh] @ q[n, head]) * scale
+            w = np.exp(s - s.max())
+            out[n, head] = (w / w.sum()) @ v[seen, kh]
+    return out[None]

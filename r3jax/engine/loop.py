@@ -1,0 +1,347 @@
+"""The engine's scheduling loop: one thread owns the device state, plans each step while the previous
+one runs, and hands each request back as soon as its last token reaches the host.
+
+Each turn:
+
+1. runs control operations (warm-up; a weight swap once nothing is in flight, or at once after
+   aborting every running request);
+2. drops cancelled requests (a running one frees its pages and slot at once: the device runs steps in
+   order, so whatever a step still in flight writes for it is overwritten before anyone reads it);
+3. admits waiting requests in order while a slot is free and the pool can reserve their pages (prefix
+   hits first); otherwise they wait;
+4. plans and dispatches the next step (:mod:`r3jax.engine.planner`), then reads the outputs of the step
+   before it: so the device always has the next step queued while the host appends tokens, logprobs
+   and route rows to each request and finishes the ones that stopped.
+
+Failures: a request whose own host-side preparation raises fails alone at admission; a step that
+fails on device fails the requests in flight with its error, the pool is rebuilt and serving goes on.
+If rebuilding raises too, the engine is *failed*: everything pending and every later ``submit`` fails
+at once with :class:`EngineFailedError` naming the reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from r3jax.engine.errors import EngineAborted, EngineClosed, EngineFailedError
+from r3jax.engine.planner import Seq, build, choose_chunks
+from r3jax.engine.request import GenerateOutput, GenerateRequest
+
+log = logging.getLogger("r3jax.engine")
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    request: GenerateRequest
+    prompt: np.ndarray
+    seed: int
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    version: int = -1
+    cached: int = 0
+    row: Any = None  # host-side sampling parameters (Engine.prepare), built at admission
+
+
+@dataclasses.dataclass(eq=False)
+class Control:
+    fn: Callable[[], Any]
+    drain: bool
+    abort: bool
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+
+
+@dataclasses.dataclass(eq=False)
+class _Step:
+    layout: Any
+    rows: list
+    outputs: tuple
+
+
+class Loop:
+    def __init__(self, engine):
+        self.engine = engine
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.controls: collections.deque[Control] = collections.deque()
+        self.seqs: list[Seq] = []  # admitted and not finished, in admission order
+        self.free_slots = list(range(engine.max_batch_size - 1, -1, -1))
+        self.inflight: collections.deque[_Step] = collections.deque()
+        self.cond = threading.Condition()
+        self.closed = False
+        self.failure: str | None = None
+        self.warmed = False
+        self.thread = threading.Thread(target=self._loop, name="r3jax-engine", daemon=True)
+        self.thread.start()
+
+    @property
+    def live(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiting)
+
+    # ---- any thread --------------------------------------------------------------------------------
+    def submit(self, job: Job) -> concurrent.futures.Future:
+        with self.cond:
+            self._check_open("request not started")
+            self.waiting.append(job)
+            self.cond.notify()
+        return job.future
+
+    def control(self, fn: Callable[[], Any], *, drain: bool, abort: bool):
+        """Run ``fn`` on the scheduler thread (after draining or aborting in-flight requests when asked)."""
+        if threading.current_thread() is self.thread:
+            return fn()
+        op = Control(fn, drain, abort)
+        with self.cond:
+            self._check_open("operation not run")
+            self.controls.append(op)
+            self.cond.notify()
+        return op.future.result()
+
+    def _check_open(self, what: str) -> None:
+        if self.failure is not None:
+            raise EngineFailedError(self.failure)
+        if self.closed:
+            raise EngineClosed(f"engine closed; {what}")
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        if threading.current_thread() is not self.thread:
+            self.thread.join(60)
+
+    # ---- scheduler thread ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    while not (self.closed or self.waiting or self.controls or self.seqs or self.inflight):
+                        self.cond.wait()
+                    if self.closed:
+                        break
+                try:
+                    self._turn()
+                except Exception as e:  # a device/program failure: fail the requests it hit, keep serving
+                    log.exception("engine step failed")
+                    self.inflight.clear()
+                    self._fail_live(e)
+                    try:
+                        self.engine.reset_state()
+                    except Exception as again:
+                        raise _CannotContinue(f"rebuilding the device state after a failed step ({_say(e)}) "
+                                              f"raised {_say(again)}") from again
+        except BaseException as e:
+            log.exception("engine failed; it serves no more requests")
+            self._fail_engine(str(e) if isinstance(e, _CannotContinue) else f"the scheduler loop raised {_say(e)}")
+            if not isinstance(e, Exception):
+                raise
+            return
+        self._shutdown()
+
+    def _turn(self) -> None:
+        op = self.controls[0] if self.controls else None
+        if op is not None and op.abort:
+            self._fail_live(EngineAborted("aborted by a weight update (abort_in_flight=True); retry the request"),
+                            count="aborted")
+            self.inflight.clear()  # their outputs belong to nobody now
+        if op is not None and (not op.drain or not (self.seqs or self.inflight)):
+            with self.cond:
+                self.controls.popleft()
+            try:
+                op.future.set_result(op.fn())
+            except Exception as e:
+                op.future.set_exception(e)
+            return
+        self._drop_cancelled()
+        if op is None:
+            self._admit()
+        dispatched = self._dispatch()
+        if self.inflight and (len(self.inflight) > 1 or not dispatched):
+            self._process(self.inflight.popleft())
+
+    def _drop_cancelled(self) -> None:
+        with self.cond:
+            kept = [j for j in self.waiting if not j.future.cancelled()]
+            self.engine._counters["cancelled"] += len(self.waiting) - len(kept)
+            self.waiting = collections.deque(kept)
+        for seq in [s for s in self.seqs if s.job.future.cancelled()]:
+            self._retire(seq)
+            self.engine._counters["cancelled"] += 1
+
+    def _admit(self) -> None:
+        eng, pool = self.engine, self.engine.pool
+        if eng.static and self.seqs:
+            return
+        while self.free_slots:
+            with self.cond:
+                if not self.waiting:
+                    return
+                job = self.waiting[0]
+            if job.future.cancelled() or not self._prepare(job):
+                with self.cond:
+                    self.waiting.popleft()
+                continue
+            p, ps = len(job.prompt), pool.page_size
+            hit = pool.match(job.prompt)
+            need = pool.pages_for(p + job.request.max_tokens - 1) - len(hit)
+            if not pool.reserve(need):
+                pool.release(hit)
+                return  # waits for pages (in order: a long request is not overtaken forever)
+            with self.cond:
+                self.waiting.popleft()
+            cfg = eng.config
+            routes = np.zeros((p + job.request.max_tokens, cfg.num_moe_layers, cfg.top_k), eng.route_dtype)
+            cached = len(hit) * ps
+            if hit:
+                routes[:cached] = pool.routes[hit].reshape(cached, *routes.shape[1:])
+            job.version, job.cached = eng.weight_version, cached
+            self.seqs.append(Seq(job, self.free_slots.pop(), list(hit), need, cached, routes))
+            eng._counters["cached_tokens"] += cached
+
+    def _prepare(self, job: Job) -> bool:
+        try:
+            job.row = self.engine.prepare(job)
+        except Exception as e:  # the request's own data: its caller gets the error, the others run on
+            log.warning("request failed before prefill: %s", _say(e))
+            self.engine._counters["failed"] += 1
+            _settle(job.future, error=e)
+            return False
+        return True
+
+    def _dispatch(self) -> bool:
+        eng = self.engine
+        decoding = [s for s in self.seqs if s.decodable]
+        prefilling = [s for s in self.seqs if s.prefilling]
+        if not decoding and not prefilling:
+            return False
+        chunks = choose_chunks(prefilling, eng.prefill_rows, eng.prefill_chunk)
+        lay = eng.layout(len(decoding), len(chunks))
+        x, rows = build(eng.pool, decoding, chunks, lay, slots=eng.max_batch_size)
+        self.inflight.append(_Step(lay, rows, eng.dispatch(lay, x)))
+        c = eng._counters
+        c["steps"] += 1
+        c["decode_calls"] += bool(decoding)
+        c["decode_slot_steps"] += len(decoding)
+        c["prefill_calls"] += len(chunks)
+        fed = len(decoding) + sum(hi - lo for _, lo, hi in chunks)
+        c["prefill_tokens"] += fed - len(decoding)
+        c["padded_tokens"] += lay.tokens - fed
+        c["max_live_slots"] = max(c["max_live_slots"], len(self.seqs))
+        return True
+
+    def _process(self, step: _Step) -> None:
+        eng = self.engine
+        t0 = time.perf_counter()
+        tok, lp, routes = (np.asarray(a) for a in step.outputs)
+        eng._counters["host_wait_s"] += time.perf_counter() - t0
+        now = time.perf_counter()
+        for row in step.rows:
+            seq = row.seq
+            if seq.finished:
+                eng._counters["wasted_tokens"] += row.hi - row.lo
+                continue
+            seq.routes[row.lo:row.hi] = routes[row.at:row.at + row.hi - row.lo]
+            if not row.samples:
+                continue
+            token = int(tok[row.row])
+            seq.tokens.append(token)
+            seq.logprobs.append(float(lp[row.row]))
+            if len(seq.tokens) == 1:
+                eng._ttft.append(now - seq.job.submitted)
+            if token in seq.job.row["stop"]:
+                seq.stopped = True
+            if seq.stopped or len(seq.tokens) >= seq.max_new:
+                self._finish(seq)
+        del eng._ttft[:-4096]
+
+    def _finish(self, seq: Seq) -> None:
+        eng, job = self.engine, seq.job
+        req, p, g = job.request, seq.prompt_len, len(seq.tokens)
+        fed = np.concatenate([job.prompt, np.asarray(seq.tokens[:-1], np.int32)])
+        eng.pool.register(seq.pages, fed, seq.routes)
+        s = req.routed_experts_prompt_start
+        routed = None
+        if req.return_routed_experts:
+            routed = np.ascontiguousarray(seq.routes[s:p + g - 1])
+            eng._counters["route_rows"] += len(routed)
+        c = eng._counters
+        c["requests"] += 1
+        c["generated_tokens"] += g
+        out = GenerateOutput(
+            output_ids=list(seq.tokens), logprobs=list(seq.logprobs) if req.return_logprobs else None,
+            finish_reason="stop" if seq.stopped else "length", routed_experts=routed, prompt_tokens=p,
+            cached_tokens=job.cached, weight_version=job.version, routed_experts_start=s)
+        self._retire(seq)
+        _settle(job.future, result=out)
+
+    def _retire(self, seq: Seq) -> None:
+        """Free seq's slot, pages and unused reservation. Safe with its steps still in flight: the
+        device runs steps in order, so a later owner's writes land after them."""
+        if seq.finished:
+            return
+        seq.finished = True
+        pool = self.engine.pool
+        pool.release(seq.pages)
+        pool.unreserve(seq.reserved)
+        seq.pages, seq.reserved = [], 0
+        self.free_slots.append(seq.slot)
+        self.seqs.remove(seq)
+
+    def _fail_live(self, err: BaseException, count: str | None = "failed") -> None:
+        for seq in list(self.seqs):
+            self._retire(seq)
+            if count is not None:
+                self.engine._counters[count] += 1
+            _settle(seq.job.future, error=err)
+
+    def _fail_engine(self, reason: str) -> None:
+        with self.cond:
+            self.failure, self.closed = reason, True
+        err = EngineFailedError(reason)
+        try:
+            self._fail_live(err)
+        finally:
+            self._fail_pending(err, err)
+
+    def _shutdown(self) -> None:
+        err = EngineClosed("engine closed before the request finished; retry it")
+        self._fail_live(err, count=None)
+        self._fail_pending(err, EngineClosed("engine closed"))
+
+    def _fail_pending(self, err: BaseException, op_err: BaseException) -> None:
+        with self.cond:
+            pending, self.waiting = list(self.waiting), collections.deque()
+            controls, self.controls = list(self.controls), collections.deque()
+        for job in pending:
+            _settle(job.future, error=err)
+        for op in controls:
+            _settle(op.future, error=op_err)
+
+
+class _CannotContinue(RuntimeError):
+    """The loop could not recover from a failed step (its message is the engine's failure reason)."""
+
+
+def _say(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _settle(future: concurrent.futures.Future, *, result=None, error: BaseException | None = None) -> None:
+    """Complete a future unless its caller cancelled it meanwhile."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass

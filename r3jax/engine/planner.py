@@ -1,0 +1,158 @@
+"""Host-side plan of each mixed step: which requests decode, which prompt chunks prefill, and the index
+arrays (:class:`r3jax.engine.step.StepInputs`) that say so.
+
+A request (:class:`Seq`) moves through: waiting -> admitted (pages reserved, prefix pages referenced)
+-> prefilling (its prompt fed in chunks of ``prefill_len`` tokens, possibly several per step) -> decoding
+(one token per step) -> finished. The host knows every position it feeds in advance (a step adds one
+token to each decoding request), so it plans step n + 1 before it has read step n's tokens; a request
+that sampled a stop token in step n is then fed once more in step n + 1 and that extra token is dropped.
+
+Prefill rows are shared out fairly: every prefilling request gets one row per step (oldest first)
+before the oldest takes the rest, so a short prompt admitted behind a long one starts decoding after
+one step instead of waiting for the long prompt to finish.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from models.paged import RaggedLayout
+from r3jax.engine.pages import PagePool
+
+
+@dataclasses.dataclass(eq=False)
+class Seq:
+    """One admitted request's host state. ``job``: the scheduler's record (request, prompt, seed,
+    future, ...); ``slot``: its row of the device's ``last`` tokens; ``pages``: its pages in position
+    order (prefix hits first); ``computed``: prompt tokens whose keys are written or in a dispatched step;
+    ``planned``: tokens generated once every dispatched step has run; ``tokens``/``logprobs``: the ones
+    received; ``routes`` [P + max_tokens, L, K]: route rows by position as they arrive."""
+
+    job: object
+    slot: int
+    pages: list[int]
+    reserved: int
+    computed: int
+    routes: np.ndarray
+    planned: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finished: bool = False
+    stopped: bool = False
+    last_step: int = -1
+    first_token_at: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.job.prompt)
+
+    @property
+    def max_new(self) -> int:
+        return int(self.job.request.max_tokens)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.prompt_len
+
+    @property
+    def decodable(self) -> bool:
+        """Needs a decode row in the next step (its first token is sampled and more may follow)."""
+        return not self.finished and not self.prefilling and 1 <= self.planned < self.max_new
+
+
+@dataclasses.dataclass
+class RowPlan:
+    """What a row of a step does: seq; ``row``: its index in R; ``at``: its first token's index in N;
+    ``lo``/``hi``: the positions it feeds (decode: one); samples: whether it samples seq's next token."""
+
+    seq: Seq
+    row: int
+    at: int
+    lo: int
+    hi: int
+    samples: bool
+
+
+def _page_at(pool: PagePool, seq: Seq, position: int) -> tuple[int, int]:
+    """(page, offset) of ``position`` in seq's pages, taking a page from its reservation when reached."""
+    j, off = divmod(position, pool.page_size)
+    while len(seq.pages) <= j:
+        seq.pages.append(pool.take())
+        seq.reserved -= 1
+    return seq.pages[j], off
+
+
+def choose_chunks(prefilling: list[Seq], rows: int, prefill_len: int) -> list[tuple[Seq, int, int]]:
+    """Up to ``rows`` chunks ``(seq, lo, hi)``: one per prefilling request (oldest first), then the
+    oldest requests' following chunks."""
+    todo = {id(s): s.computed for s in prefilling}
+    out = []
+
+    def one(seq):
+        lo = todo[id(seq)]
+        if lo >= seq.prompt_len or len(out) >= rows:
+            return False
+        hi = min(seq.prompt_len, lo + prefill_len)
+        out.append((seq, lo, hi))
+        todo[id(seq)] = hi
+        return True
+
+    for seq in prefilling:
+        one(seq)
+    for seq in prefilling:
+        while one(seq):
+            pass
+    return out
+
+
+def build(pool: PagePool, decoding: list[Seq], chunks: list[tuple[Seq, int, int]], layout: RaggedLayout, *,
+          slots: int) -> tuple[dict[str, np.ndarray], list[RowPlan]]:
+    """The step's :class:`StepInputs` arrays (as numpy) and its rows. Takes pages from the requests'
+    reservations and advances ``computed`` / ``planned`` (the step is about to be dispatched)."""
+    n, r, pmax, d = layout.tokens, layout.rows, layout.pages_per_row, layout.decode_rows
+    x = dict(tokens=np.zeros(n, np.int32), from_slot=np.full(n, -1, np.int32), positions=np.zeros(n, np.int32),
+             page=np.zeros(n, np.int32), offset=np.zeros(n, np.int32), table=np.zeros((r, pmax), np.int32),
+             kv_len=np.ones(r, np.int32), sample_at=np.zeros(r, np.int32), slot=np.full(r, slots, np.int32),
+             key_data=np.zeros((r, 2), np.uint32), index=np.zeros(r, np.int32), temperature=np.zeros(r, np.float32),
+             top_k=np.zeros(r, np.int32), top_p=np.ones(r, np.float32), processed=np.zeros(r, bool))
+    rows: list[RowPlan] = []
+
+    def sampling(i, seq, gen):
+        p = seq.job.row
+        x["slot"][i] = seq.slot
+        x["key_data"][i], x["index"][i] = p["key_data"], gen
+        x["temperature"][i], x["top_k"][i], x["top_p"][i] = p["temperature"], p["top_k"], p["top_p"]
+        x["processed"][i] = p["processed"]
+
+    assert len(decoding) <= d and len(chunks) <= layout.prefill_rows, (len(decoding), len(chunks), layout)
+    for i, seq in enumerate(decoding):
+        pos = seq.prompt_len + seq.planned - 1  # feeds output token planned-1 (on device in last[slot])
+        page, off = _page_at(pool, seq, pos)
+        x["from_slot"][i], x["positions"][i], x["page"][i], x["offset"][i] = seq.slot, pos, page, off
+        x["table"][i, :len(seq.pages)] = seq.pages
+        x["kv_len"][i] = pos + 1
+        x["sample_at"][i] = i
+        sampling(i, seq, seq.planned)
+        rows.append(RowPlan(seq, i, i, pos, pos + 1, True))
+        seq.planned += 1
+    for c, (seq, lo, hi) in enumerate(chunks):
+        i, t0 = d + c, d + c * layout.prefill_len
+        prompt = seq.job.prompt
+        for j, pos in enumerate(range(lo, hi)):
+            x["page"][t0 + j], x["offset"][t0 + j] = _page_at(pool, seq, pos)
+        k = hi - lo
+        x["tokens"][t0:t0 + k] = prompt[lo:hi]
+        x["positions"][t0:t0 + k] = np.arange(lo, hi)
+        x["positions"][t0 + k:t0 + layout.prefill_len] = hi - 1  # padding: sees what the last real token sees
+        x["table"][i, :len(seq.pages)] = seq.pages
+        x["kv_len"][i] = hi
+        seq.computed = hi
+        last = hi == seq.prompt_len
+        if last:
+            x["sample_at"][i] = t0 + k - 1
+            sampling(i, seq, 0)
+            seq.planned = 1
+        rows.append(RowPlan(seq, i, t0, lo, hi, last))
+    return x, rows

@@ -1,0 +1,67 @@
+"""The engine's one device program: a mixed step of decode tokens and prefill chunks over the page pool.
+
+A step feeds ``N`` tokens laid out by a :class:`models.paged.RaggedLayout` (decode rows of one token,
+then prefill rows of ``prefill_len`` tokens), writes their keys and values into their pages, attends
+over each row's pages, samples one token for every row that asks (each decode row; a prefill row that
+holds its prompt's last token) and stores it in ``last[slot]``, where the next step's decode row for
+that request reads its input token. So the host never has to hand a sampled token back: it plans
+step n + 1 while step n runs and reads step n's outputs (tokens, logprobs, route rows) afterwards.
+
+Device state: the pool (``k``, ``v`` per layer group, :class:`models.paged.PagedCache`) and ``last``
+[B] int32, both donated to every step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from models.paged import PagedCache, PagedMeta, RaggedLayout
+from r3jax.engine.sampling import sample_with_logprobs
+
+
+@struct.dataclass
+class StepInputs:
+    """One step's host-built inputs (N tokens, R = decode_rows + prefill_rows rows).
+
+    tokens [N] int32 (prompt tokens; ignored where ``from_slot >= 0``); from_slot [N] int32: the request
+    slot whose ``last`` token to feed (decode rows), else -1; positions, page, offset [N] int32; table [R,
+    pages_per_row], kv_len [R] int32 (:class:`models.paged.PagedMeta`); sample_at [R] int32: index in N of
+    the token whose logits give row r's next token; slot [R] int32: where that token goes in ``last`` (B:
+    the row samples nothing); sampling parameters per row: key_data [R, 2] uint32, index [R] int32 (which
+    generated token this is, 0 for the first), temperature, top_p [R] f32, top_k [R] int32, processed [R]
+    bool."""
+
+    tokens: jax.Array
+    from_slot: jax.Array
+    positions: jax.Array
+    page: jax.Array
+    offset: jax.Array
+    table: jax.Array
+    kv_len: jax.Array
+    sample_at: jax.Array
+    slot: jax.Array
+    key_data: jax.Array
+    index: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    processed: jax.Array
+
+
+def step(graphdef, params, rest, k, v, last, x: StepInputs, *, layout: RaggedLayout, head_only: bool, route_dtype):
+    """Run one mixed step. Returns ``(k, v, last, tokens [R] int32, logprobs [R] f32, routes [N, L, K])``
+    (routes in ``route_dtype``)."""
+    model = nnx.merge(graphdef, params, rest)
+    tokens = jnp.where(x.from_slot >= 0, last[jnp.maximum(x.from_slot, 0)], x.tokens)
+    cache = PagedCache(k=k, v=v, meta=PagedMeta(x.table, x.page, x.offset, x.kv_len, layout))
+    kw = {"return_hidden": True} if head_only else {}
+    out = model(tokens[None], x.positions[None], cache=cache, **kw)
+    if head_only:
+        logits = model.logits(out.hidden[0][x.sample_at])
+    else:
+        logits = out.logits[0][x.sample_at]
+    tok, lp = sample_with_logprobs(logits, x.key_data, x.index, x.temperature, x.top_k, x.top_p, x.processed)
+    last = last.at[x.slot].set(tok, mode="drop")
+    return out.cache.k, out.cache.v, last, tok, lp, out.routes[0].astype(route_dtype)
