@@ -12,7 +12,9 @@ from r3jax.engine import Engine
 
 REF_ROWS, REF_LEN = 4, 64  # the reference forward always runs at this shape: one compilation
 # one engine configuration for the whole directory: equal configurations share compiled programs
-ENGINE_KW = dict(max_seq_len=64, max_batch_size=4, block_size=8, prefill_chunk=32, prefill_rows=2,
+# 24 pages of 8 tokens: three requests of max_seq_len at once, so a full engine runs out of pages
+# before it runs out of slots and cached prefixes are evicted under pressure in ordinary tests
+ENGINE_KW = dict(max_seq_len=64, max_batch_size=4, block_size=8, prefill_chunk=32, prefill_rows=2, num_pages=25,
                  moe_impl="dense")  # dense: the cheapest kernel to compile (gather: test_kernels.py)
 
 

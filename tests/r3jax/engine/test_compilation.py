@@ -1,6 +1,6 @@
-"""Every device program is compiled by warmup(); a few hundred varied requests afterwards (lengths,
-max_tokens, stop tokens, sampling parameters, routes on/off, prefix-cache hits, cancellations)
-compile nothing more."""
+"""Every device program is compiled by warmup(); a thousand varied requests afterwards (lengths,
+max_tokens, stop tokens, sampling parameters, routes on/off, prefix hits, evictions, admission waits
+for pages, cancellations) compile nothing more."""
 
 import logging
 
@@ -28,8 +28,9 @@ def _varied(rng, prompts):
     p_ids = prompts[int(rng.integers(len(prompts)))] if rng.random() < 0.3 else \
         rng.integers(0, V, int(rng.integers(1, 56))).tolist()  # repeats hit the prefix cache
     p = len(p_ids)
+    new = 1 + int(rng.exponential(6)) if rng.random() < 0.9 else int(rng.integers(1, 64 - p + 1))  # long-tailed
     return GenerateRequest(
-        prompt_ids=p_ids, max_tokens=int(rng.integers(1, 64 - p + 1)),
+        prompt_ids=p_ids, max_tokens=min(new, 64 - p),
         temperature=float(rng.choice([0.0, 0.6, 1.0])), top_k=int(rng.choice([0, 3])),
         top_p=float(rng.choice([1.0, 0.9])), seed=int(rng.integers(0, 2**40)) if rng.random() < 0.5 else None,
         stop_token_ids=rng.integers(0, V, int(rng.integers(0, 5))).tolist(),
@@ -37,19 +38,22 @@ def _varied(rng, prompts):
         routed_experts_prompt_start=int(rng.integers(0, p + 1)))
 
 
-def test_no_program_compiles_after_warmup_over_300_varied_requests(engine):
+def test_no_program_compiles_after_warmup_over_1000_varied_requests(engine):
     assert engine.warmed_up
     programs = engine.stats["compiled_programs"]
     assert engine.warmup()["new"] == 0  # warming up again finds nothing to compile
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, V, n).tolist() for n in (9, 17, 30, 41)]
-    cached_before = engine.stats["cached_tokens"]
+    cached_before, evictions_before = engine.stats["cached_tokens"], engine.stats["prefix_cache_evictions"]
     log, logger = _CompileLog(), logging.getLogger("jax")
     logger.addHandler(log)
     try:
         with jax.log_compiles(True):
-            for wave in range(14):  # waves of 1..40 concurrent requests: about 300 in all
-                reqs = [_varied(rng, prompts) for _ in range(int(rng.integers(1, 41)) if wave else 40)]
+            total, wave = 0, 0
+            while total < 1000:  # waves of 1..80 concurrent requests: 1,000 in all
+                n = min(40 if wave == 0 else int(rng.integers(1, 81)), 1000 - total)
+                reqs = [_varied(rng, prompts) for _ in range(n)]
+                total, wave = total + n, wave + 1
                 futures = [engine.submit(r) for r in reqs]
                 if wave % 3 == 1:
                     futures[-1].cancel()
@@ -66,6 +70,8 @@ def test_no_program_compiles_after_warmup_over_300_varied_requests(engine):
                         assert out.routed_experts is None
     finally:
         logger.removeHandler(log)
+    assert total == 1000
     assert engine.stats["cached_tokens"] > cached_before  # prefix hits were part of the mix
+    assert engine.stats["prefix_cache_evictions"] > evictions_before  # and evictions
     assert log.compiled == []
     assert engine.stats["compiled_programs"] == programs

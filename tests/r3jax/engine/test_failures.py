@@ -9,20 +9,20 @@ import pytest
 from r3jax.engine import GenerateRequest
 
 
-def test_a_failing_prefill_fails_its_requests_and_the_engine_keeps_serving(engine, monkeypatch):
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine, monkeypatch):
     req = GenerateRequest([3, 1, 4, 1, 5], max_tokens=3, temperature=0.0, return_routed_experts=True)
     [want] = engine.generate([req])
-    real = engine.prefill
+    real = engine.dispatch
 
-    def broken(jobs, slots):
+    def broken(layout, inputs):
         raise RuntimeError("Array has been deleted with shape=float32[1,16].")  # what a lost buffer raises
 
-    monkeypatch.setattr(engine, "prefill", broken)
+    monkeypatch.setattr(engine, "dispatch", broken)
     futures = [engine.submit(req) for _ in range(3)]
     for f in futures:
         with pytest.raises(RuntimeError, match="Array has been deleted"):
             f.result(timeout=60)  # never a hang
-    monkeypatch.setattr(engine, "prefill", real)
+    monkeypatch.setattr(engine, "dispatch", real)
     [again] = engine.generate([req])
     assert again.output_ids == want.output_ids and (again.routed_experts == want.routed_experts).all()
 
@@ -71,7 +71,9 @@ def test_a_request_whose_preparation_raises_fails_alone_and_the_others_beside_it
         assert got.output_ids == want[i].output_ids and (got.routed_experts == want[i].routed_experts).all()
     after = engine.stats
     assert after["failed"] - before["failed"] == 1 and after["requests"] - before["requests"] == 2
-    assert after["prefill_calls"] - before["prefill_calls"] == 1  # the other two went in one prefill call
+    # the other two were admitted together: one step fed both prompts (one prefill row each)
+    assert after["prefill_calls"] - before["prefill_calls"] == 2
+    assert after["pages_in_use"] == before["pages_in_use"] and after["pages_reserved"] == 0
     assert after["failure"] is None
 
 
@@ -85,13 +87,13 @@ def test_a_scheduler_that_cannot_recover_fails_fast_with_the_reason_and_health_s
     eng = make_engine(tiny_model)
     req = GenerateRequest([3, 1, 4], max_tokens=2, temperature=0.0)
 
-    def broken_prefill(jobs, slots):
+    def broken_dispatch(layout, inputs):
         raise RuntimeError("device lost")
 
     def broken_reset():
-        raise RuntimeError("RESOURCE_EXHAUSTED: cannot allocate the slot buffers")
+        raise RuntimeError("RESOURCE_EXHAUSTED: cannot allocate the page pool")
 
-    monkeypatch.setattr(eng, "prefill", broken_prefill)
+    monkeypatch.setattr(eng, "dispatch", broken_dispatch)
     monkeypatch.setattr(eng, "reset_state", broken_reset)
     release = _hold(eng)
     futures = [eng.submit(req) for _ in range(eng.max_batch_size + 1)]  # one more than the slots: it waits

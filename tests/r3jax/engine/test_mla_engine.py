@@ -1,6 +1,6 @@
-"""The engine over an MLA model: with the latent cache (absorbed decode) and its slots split over
-data x tensor of a (2, 2, 2) mesh (DP attention), it returns the same tokens, logprobs (1e-5, fp32)
-and route rows as with the expanded per-head cache on one device; the prefix cache reuses latent blocks."""
+"""The engine over an MLA model: with the latent page pool (absorbed decode) on a (2, 2, 2) mesh it
+returns the same tokens, logprobs (1e-5, fp32) and route rows as with the expanded per-head pool on
+one device; a prefix hit reuses latent pages."""
 
 import numpy as np
 import pytest
@@ -8,7 +8,6 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from models import MoeConfig, MoeTransformer
-from models.axes import ReplicationError
 from models.cache import cache_bytes_per_token
 from r3jax.engine import Engine, GenerateRequest
 from r3jax.engine.sharding import make_mesh
@@ -17,9 +16,8 @@ from r3jax.engine.sharding import make_mesh
 MLA = dict(attention="mla", num_heads=4, num_kv_heads=4, head_dim=12, qk_rope_head_dim=4, q_lora_rank=16,
            kv_lora_rank=8, v_head_dim=8, router="sigmoid_bias_grouped", n_group=4, topk_group=2,
            routed_scaling_factor=2.5, num_shared_experts=1, qk_norm=False)
-# one prompt / window / read-out bucket (16), one chunk bucket, one prefill row: few programs per engine
-KW = dict(max_seq_len=16, max_batch_size=4, block_size=8, prefill_chunk=16, min_prefill_chunk=16, prefill_rows=1,
-          min_seq_bucket=16, moe_impl="dense")
+# one prefill row of 16 tokens: few step programs per engine
+KW = dict(max_seq_len=16, max_batch_size=4, block_size=8, prefill_chunk=16, prefill_rows=1, moe_impl="dense")
 V = MoeConfig.tiny().vocab_size
 
 
@@ -59,15 +57,16 @@ def test_latent_engine_equals_expanded_engine(engines):
     assert want[3].cached_tokens == got[3].cached_tokens == 8  # the latent prefix-cache block was reused
 
 
-def test_latent_slots_are_split_over_data_and_tensor(engines):
-    state = engines["latent_dp"]._state
+def test_latent_pool_is_whole_per_device_and_experts_stay_expert_parallel(engines):
+    """The latent pool has one shared 'head' (c_kv, k_rot), so tensor cannot split it and pages are not
+    split over data either: every device holds the whole pool (docs/scaling.md, the limitation)."""
+    eng = engines["latent_dp"]
     spec = lambda x: tuple(x.sharding.spec) if isinstance(x.sharding, NamedSharding) else None
-    assert spec(state.cache.k[1]) == (None, ("data", "tensor"), None, None, None)  # c_kv [n, B, S, 1, R]
-    assert spec(state.cache.v[1]) == (None, ("data", "tensor"), None, None, None)  # k_rot [n, B, S, 1, rope]
-    assert spec(state.routes)[0] == ("data", "tensor")
-    assert spec(state.tokens)[0] == ("data", "tensor")
-    assert state.cache.k[1].addressable_shards[0].data.shape == (2, 1, 16, 1, 8)  # one slot per data x tensor
-    moe = engines["latent_dp"]._params["moe_layers"]["mlp"]
+    n, pages, ps = 2, eng.num_pages, eng.block_size
+    assert all(s is None for s in spec(eng._k[1])) and all(s is None for s in spec(eng._v[1]))
+    assert eng._k[1].addressable_shards[0].data.shape == (n, pages, ps, 1, 8)  # c_kv [n, pages, ps, 1, R]
+    assert eng._v[1].addressable_shards[0].data.shape == (n, pages, ps, 1, 4)  # k_rot [n, pages, ps, 1, rope]
+    moe = eng._params["moe_layers"]["mlp"]
     assert spec(moe["gate_proj"][...])[1] == "expert"  # experts stay expert-parallel
 
 
@@ -75,11 +74,3 @@ def test_latent_cache_sizes_the_prefix_pool():
     latent, expanded = (MoeConfig.tiny(mla_cache=c, **MLA) for c in ("latent", "expanded"))
     assert cache_bytes_per_token(latent) == latent.num_layers * (8 + 4) * 4
     assert cache_bytes_per_token(expanded) == expanded.num_layers * 2 * 4 * 12 * 4
-
-
-def test_dp_layout_needs_slots_that_divide_data_times_tensor():
-    with pytest.raises(ReplicationError, match=r"max_batch_size=2: expected a multiple of 4, the devices the slots "
-                                               r"are split over \(data=2 x tensor=2, logical axis 'attn_batch'\)"):
-        _engine("latent", max_batch_size=2, mesh=make_mesh(data=2, tensor=2, expert=2), prefix_cache_bytes=0)
-
-

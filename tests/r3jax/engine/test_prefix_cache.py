@@ -1,8 +1,8 @@
-"""Prefix cache: a multi-turn conversation reuses KV and recorded routes, LRU eviction under a byte
-budget, duplicate prefixes in one batch, and set_weights dropping everything."""
+"""Prefix caching by page reference: a multi-turn conversation reuses KV and recorded routes, LRU
+eviction of unreferenced pages under pressure (leaves before roots), duplicate prefixes in one batch,
+and set_weights dropping everything."""
 
 import numpy as np
-import pytest
 from flax import nnx
 
 from models import MoeConfig
@@ -48,32 +48,30 @@ def test_three_turns_with_cache_equal_without_and_prefill_far_less(tiny_model, m
     np.testing.assert_array_equal(with_cache[2].routed_experts[:len(first_rows)], first_rows)
 
 
-@pytest.fixture()
-def small_budget(tiny_model, engine, make_engine):
-    block_bytes = engine.stats["prefix_cache_block_bytes"]
-    return make_engine(tiny_model, prefix_cache_bytes=4 * block_bytes + block_bytes // 2)  # room for 4 blocks
-
-
 def _run(engine, prompt):
     [out] = engine.generate([GenerateRequest(prompt_ids=prompt, max_tokens=1, temperature=0.0,
                                              return_routed_experts=True)])
     return out
 
 
-def test_lru_eviction_under_the_byte_budget_drops_leaves_first(small_budget):
-    eng = small_budget
-    a, b = _tokens(1, 25), _tokens(2, 25)  # 25 fed tokens = 3 whole blocks each
-    assert eng.stats["prefix_cache_capacity_blocks"] == 4
-    _run(eng, a)
-    assert eng.stats["prefix_cache_blocks"] == 3
-    _run(eng, b)  # needs 3 slots, 1 free: evicts A's two leaves, keeps A's root
-    assert eng.stats["prefix_cache_blocks"] == 4 and eng.stats["prefix_cache_evictions"] == 2
-    assert _run(eng, b).cached_tokens == 24  # (25 - 1) // 8 blocks: the last token is always computed
-    assert _run(eng, a).cached_tokens == 8
+def test_lru_eviction_under_pressure_drops_leaves_first(tiny_model, make_engine):
+    eng = make_engine(tiny_model)  # a fresh pool of 24 pages (programs shared with the other engines)
+    prompts = [_tokens(10 + i, 24) for i in range(8)]  # 24 fed tokens: 3 whole pages each
+    for p in prompts:
+        assert _run(eng, p).cached_tokens == 0
+    s = eng.stats
+    assert (s["prefix_cache_blocks"], s["pages_in_use"], s["prefix_cache_evictions"]) == (24, 0, 0)  # all cached
+    _run(eng, _tokens(30, 16))  # needs 2 pages, none free: the least recently used chain loses its 2 leaves
+    assert eng.stats["prefix_cache_evictions"] == 2
+    assert _run(eng, prompts[0]).cached_tokens == 8  # its root is left
+    assert eng.stats["prefix_cache_evictions"] == 4  # its 2 new pages: the next chain's leaf and middle
+    assert _run(eng, prompts[2]).cached_tokens == 16  # untouched: (24 - 1) // 8 pages, the last token computed
+    assert _run(eng, prompts[1]).cached_tokens == 0  # its root went for prompt 2's last page
+    assert (eng.stats["pages_in_use"], eng.stats["pages_reserved"]) == (0, 0)
 
 
-def test_set_weights_drops_the_cache_and_bumps_the_version(tiny_model, small_budget):
-    eng = small_budget
+def test_set_weights_drops_the_cache_and_bumps_the_version(tiny_model, make_engine):
+    eng = make_engine(tiny_model)
     prompt = _tokens(3, 20)
     first = _run(eng, prompt)
     assert _run(eng, prompt).cached_tokens == 16 and first.weight_version == 0
@@ -91,39 +89,6 @@ def test_identical_prefixes_in_one_batch_are_stored_once(tiny_model, make_engine
     prompt = _tokens(4, 20)
     outs = eng.generate([GenerateRequest(prompt_ids=prompt, max_tokens=1, temperature=0.0,
                                          return_routed_experts=True)] * 4)
-    assert eng.stats["prefix_cache_blocks"] == 2  # 20 fed tokens: 2 whole blocks, not 8
+    assert eng.stats["prefix_cache_blocks"] == 2  # 20 fed tokens: 2 whole pages, not 8
     assert all(o.output_ids == outs[0].output_ids for o in outs)
     assert _run(eng, prompt).cached_tokens == 16
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_blocks_stored_then_loaded_come_back_bit_for_bit(dtype):
-    """The pool keeps the cache's bit patterns (uint16 for bf16, so its in-place scatter never runs
-    through f32): a stored block loads back into another row exactly, padding entries drop."""
-    import jax
-    import jax.numpy as jnp
-
-    from models import KVCache
-    from r3jax.engine.slot.prefix_cache import init_pool, load_blocks, store_blocks
-
-    cfg = MoeConfig.tiny(dtype=getattr(jnp, dtype))
-    bs, cap = 8, 6
-    cache = KVCache.init(cfg, 2, 32)
-    keys = iter(jax.random.split(jax.random.key(0), 16))
-    fill = lambda x: jax.random.normal(next(keys), x.shape).astype(x.dtype)
-    cache = KVCache(k=tuple(map(fill, cache.k)), v=tuple(map(fill, cache.v)))
-    routes = jax.random.randint(next(keys), (2, 32, cfg.num_moe_layers, cfg.top_k), 0, cfg.num_experts).astype(jnp.uint8)
-    pool = init_pool(cfg, jnp.uint8, capacity=cap, block_size=bs)
-    assert {x.dtype for x in pool.k + pool.v} == {jnp.dtype("uint16" if dtype == "bfloat16" else "uint32")}
-    i32 = lambda *v: jnp.array(v, jnp.int32)
-    # row 0 block 1 -> slot 4, row 1 block 3 -> slot 0, one padding entry (slot == capacity)
-    pool = jax.jit(store_blocks, donate_argnums=(0,))(pool, cache, routes, i32(0, 1, 0), i32(1, 3, 0), i32(4, 0, cap))
-    empty = KVCache.init(cfg, 2, 32)
-    got, got_routes = load_blocks(pool, empty, jnp.zeros_like(routes), i32(1, 0), i32(0, 2), i32(4, 0))
-    for a, b in zip(got.k + got.v, cache.k + cache.v):
-        assert a.dtype == b.dtype
-        np.testing.assert_array_equal(np.asarray(a[:, 1, :bs]), np.asarray(b[:, 0, bs:2 * bs]))
-        np.testing.assert_array_equal(np.asarray(a[:, 0, 2 * bs:3 * bs]), np.asarray(b[:, 1, 3 * bs:4 * bs]))
-        assert not np.asarray(a[:, 0, :2 * bs]).any()  # untouched blocks stay as they were
-    np.testing.assert_array_equal(got_routes[1, :bs], routes[0, bs:2 * bs])
-    np.testing.assert_array_equal(got_routes[0, 2 * bs:3 * bs], routes[1, 3 * bs:4 * bs])

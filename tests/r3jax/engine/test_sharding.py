@@ -1,5 +1,5 @@
 """The engine on a (data, tensor, expert) = (2, 2, 2) mesh of 8 simulated CPU devices returns the same
-greedy tokens and route rows as on one device, with parameters and slot state really split."""
+greedy tokens and route rows as on one device, with parameters and the page pool really split."""
 
 import numpy as np
 import pytest
@@ -29,11 +29,11 @@ def test_parameters_and_slots_are_split_over_the_mesh(sharded):
     assert spec(params["dense_layers"]["attn"]["q_proj"][...]) == (None, None, "tensor")  # heads
     assert spec(params["dense_layers"]["attn"]["o_proj"][...]) == (None, "tensor", None)
     assert spec(params["dense_layers"]["mlp"]["gate_proj"][...]) == (None, None, "tensor")  # [1, D, I]
-    state = sharded._state
-    assert spec(state.cache.k[1]) == (None, "data", None, "tensor", None)  # layers x slots x kv heads
-    assert spec(state.routes)[0] == "data"
-    shard = state.cache.k[1].addressable_shards[0].data.shape
-    assert shard == (2, 2, 64, 1, 16)  # of [2, 4, 64, 2, 16]: a quarter on each device
+    # the pool [n, pages, page_size, kv heads, head_dim]: kv heads over tensor, pages whole (every
+    # data shard sees every page: the pool is replicated over data, docs/scaling.md)
+    k = sharded._k[1]
+    assert spec(k) in ((None, None, None, "tensor", None), (None, None, None, "tensor"))
+    assert k.addressable_shards[0].data.shape == (2, sharded.num_pages, 8, 1, 16)  # of [.., 2, 16]
 
 
 def test_sharded_engine_equals_one_device(engine, sharded):

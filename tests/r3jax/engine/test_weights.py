@@ -137,7 +137,7 @@ def test_router_biases_travel_with_weight_sync(tmp_path):
     cfg = MoeConfig.tiny().replace(router="sigmoid_bias_grouped", n_group=2, topk_group=1, moe_impl="dense")
     model = MoeTransformer(cfg, rngs=nnx.Rngs(3))
     engine = Engine(model, max_seq_len=32, max_batch_size=1, prefix_cache_bytes=0, block_size=8, prefill_chunk=16,
-                    min_prefill_chunk=16, min_seq_bucket=32)
+                    prefill_rows=1)
     try:
         req = GenerateRequest([5, 9, 2, 7], max_tokens=3, temperature=0.0, return_routed_experts=True)
         [before] = engine.generate([req])
