@@ -41,9 +41,8 @@ def _prompts(cfg, batch, seed=0):
 
 
 def _engine(model, new, batches, impl):
-    # the cache length is pinned, so a short warm-up call compiles exactly the measured programs
     return Engine(model, max_seq_len=PROMPT + new, max_batch_size=max(batches), prefix_cache_bytes=0,
-                  moe_impl=impl, min_seq_bucket=PROMPT + new)
+                  moe_impl=impl)
 
 
 def _ours(engine, prompts, new, capture):

@@ -250,8 +250,7 @@ def bench_decode(configs, batches, new=64, prompt=32) -> list[dict]:
         hf = _load_hf(model)
         for b in batches:
             eng = Engine(model, max_seq_len=prompt + new, max_batch_size=b, prefix_cache_bytes=0,
-                         min_seq_bucket=prompt + new, prefill_chunk=prompt, min_prefill_chunk=prompt,
-                         prefill_rows=b, decode_steps=16)
+                         prefill_chunk=prompt, prefill_rows=b)
             prompts = np.random.default_rng(0).integers(0, model.config.vocab_size, (b, prompt))
             reqs = [GenerateRequest(p.tolist(), max_tokens=new, temperature=0.0, return_routed_experts=True)
                     for p in prompts]

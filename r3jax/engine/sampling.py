@@ -34,19 +34,48 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
-def filter_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+# candidates of the sort-free path: lax.top_k of this many logits per row instead of sorting all V
+TOP_CANDIDATES = 256
+
+
+def filter_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, rows: jax.Array | None = None, *,
+                  candidates: int = TOP_CANDIDATES) -> jax.Array:
     """Mask (to -inf) everything outside each row's top-k and top-p (nucleus) set.
 
-    scaled [B, V] f32 (temperature already applied), top_k [B] int32 (0: off), top_p [B] f32 (1: off).
-    The nucleus is the shortest prefix of the sorted tokens whose mass reaches top_p (at least one
-    token). Tokens tied with the last kept value are kept too.
+    scaled [B, V] f32 (temperature already applied), top_k [B] int32 (0: off), top_p [B] f32 (1: off);
+    rows [B] bool: the rows whose result is used (default all). The nucleus is the shortest prefix of
+    the sorted tokens whose mass reaches top_p (at least one token). Tokens tied with the last kept
+    value are kept too.
+
+    No full-vocabulary sort when it is not needed: the ``candidates`` largest logits of each row
+    (``lax.top_k``) decide every row whose set lies inside them (top_k <= candidates, or a top-p-only
+    nucleus that the candidates' mass already reaches), exactly as the full sort would. Only when some
+    used row needs more (a flat distribution with top_p near 1, or top_k > candidates) does the step
+    sort the whole vocabulary.
     """
     v = scaled.shape[-1]
-    desc = -jnp.sort(-scaled, axis=-1)  # [B, V]
     k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-    ranks = jnp.arange(v)[None, :]
+    if candidates >= v:
+        return _nucleus(scaled, -jnp.sort(-scaled, axis=-1), k, top_p, None)
+    top, _ = jax.lax.top_k(scaled, candidates)  # [B, C] descending
+    lse = jax.nn.logsumexp(scaled, axis=-1)
+    whole = k == v  # top-p only: the nucleus is taken under the full distribution
+    fits = (k <= candidates) | (whole & (jnp.exp(top - lse[:, None]).sum(-1) >= top_p))
+    used = jnp.ones_like(fits) if rows is None else rows
+    return jax.lax.cond(jnp.all(fits | ~used),
+                        lambda x: _nucleus(x, top, k, top_p, jnp.where(whole, lse, jnp.nan)),
+                        lambda x: _nucleus(x, -jnp.sort(-x, axis=-1), k, top_p, None), scaled)
+
+
+def _nucleus(scaled, desc, k, top_p, lse):
+    """The top-k/top-p threshold from ``desc`` [B, C], the C largest logits of each row in order (C = V,
+    or C >= every row's set). lse [B]: log-normaliser of rows whose probabilities are over all V (NaN:
+    over their top k), or None (all rows over their top k, C = V)."""
+    ranks = jnp.arange(desc.shape[-1])[None, :]
     in_k = ranks < k[:, None]
     probs = jax.nn.softmax(jnp.where(in_k, desc, _NEG_INF), axis=-1)
+    if lse is not None:
+        probs = jnp.where(jnp.isnan(lse)[:, None], probs, jnp.exp(desc - jnp.nan_to_num(lse)[:, None]))
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep = in_k & (mass_before < top_p[:, None])  # a prefix of the ranks; rank 0 always kept
     n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
@@ -66,8 +95,8 @@ def processed_logits(logits, temperature, top_k, top_p) -> tuple[jax.Array, jax.
     hot = temperature > 0
     scaled = logits / jnp.where(hot, temperature, 1.0)[:, None]
     needs = hot & ((top_k > 0) | (top_p < 1.0))
-    # the sort behind top-k/top-p costs O(V log V) a row: skip it when no row asks for a filter
-    filtered = jax.lax.cond(jnp.any(needs), lambda x: filter_logits(x, top_k, top_p), lambda x: x, scaled)
+    # filtering costs a top-k (at worst a sort) over V a row: skip it when no row asks for it
+    filtered = jax.lax.cond(jnp.any(needs), lambda x: filter_logits(x, top_k, top_p, needs), lambda x: x, scaled)
     return hot, jnp.where(needs[:, None], filtered, scaled)
 
 

@@ -71,3 +71,31 @@ def test_logprobs_are_temperature_one_log_softmax():
 
 def test_seed_words_are_high_and_low_halves():
     np.testing.assert_array_equal(seed_words((5 << 32) + 9), np.array([5, 9], np.uint32))
+
+
+def _sorted_filter(scaled, top_k, top_p):
+    """The full-sort definition (numpy): mask outside the top k, then outside the shortest prefix of
+    the sorted k whose renormalised mass reaches top_p; ties with the last kept value stay."""
+    out = np.full_like(scaled, -np.inf)
+    for r, row in enumerate(scaled):
+        desc = np.sort(row)[::-1]
+        k = len(row) if top_k[r] == 0 else min(top_k[r], len(row))
+        p = np.exp(desc[:k] - desc[0])
+        p /= p.sum()
+        before = np.cumsum(p) - p
+        n = max(int(np.sum(before < top_p[r])), 1)
+        out[r] = np.where(row >= desc[n - 1], row, -np.inf)
+    return out
+
+
+@pytest.mark.parametrize("spread", [0.3, 3.0])  # a flat distribution (the nucleus needs many tokens), a peaked one
+def test_filter_without_a_full_sort_equals_the_sorted_definition(spread):
+    rng = np.random.default_rng(int(spread * 10))
+    scaled = (rng.normal(size=(6, 300)) * spread).astype(np.float32)
+    top_k = np.array([0, 5, 40, 0, 250, 0], np.int32)  # 250 > the 32 candidates: the sorting fallback
+    top_p = np.array([0.9, 1.0, 0.7, 0.5, 0.95, 0.99], np.float32)
+    want = _sorted_filter(scaled, top_k, top_p)
+    for rows in (np.ones(6, bool), np.array([1, 1, 1, 1, 0, 0], bool)):  # with and without the fallback row
+        got = np.asarray(jax.jit(lambda *a: filter_logits(*a, candidates=32))(scaled, top_k, top_p, rows))
+        np.testing.assert_array_equal(np.isinf(got[rows]), np.isinf(want[rows]))
+        np.testing.assert_array_equal(got[rows][~np.isinf(got[rows])], want[rows][~np.isinf(want[rows])])
