@@ -22,7 +22,10 @@ walks the row's pages in blocks with an online softmax, for as many blocks as th
 group needs (a dynamic trip count: a decode step reads the live pages only, never ``max_seq_len``);
 ``"auto"``: pallas when the target is a TPU and the kernel covers the call, xla otherwise. The target
 is the current mesh's device platform when a mesh is set (so a program compiled ahead of time for a
-TPU topology under ``jax.set_mesh`` gets the Pallas kernel), else ``jax.default_backend()``. The
+TPU topology under ``jax.set_mesh`` gets the Pallas kernel), else ``jax.default_backend()``; on a
+host of several TPU devices a program traced without a mesh gets xla (the kernel then runs in a
+``jax.shard_map`` over the mesh, which it needs to know: trace the step under
+``jax.set_mesh(placement.mesh)``). The
 model passes ``MoeConfig.attention_impl``, whose full-sequence names map here as: ``"splash"`` -> auto
 (the TPU Pallas kernel where the target is a TPU and it covers the call), ``"blockwise"`` and
 ``"cudnn"`` -> xla (there is no ragged cuDNN kernel).
@@ -182,6 +185,8 @@ def _resolve(impl: str, q, keys, values, dtype) -> str:
         return impl  # an explicit "pallas" raises in models.ragged_tpu when the kernel cannot take the call
     if _target_platform() != "tpu":
         return "xla"
+    if jax.sharding.get_abstract_mesh().empty and jax.device_count() > 1:
+        return "xla"  # a Mosaic kernel cannot be partitioned automatically and, without a mesh, not by us
     from models import ragged_tpu
 
     return "pallas" if ragged_tpu.unsupported(q, keys, values, dtype) is None else "xla"

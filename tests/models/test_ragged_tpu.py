@@ -180,4 +180,5 @@ def test_ragged_paged_attention_compiles_for_a_tpu_topology():
 
     with jax.set_mesh(mesh):  # the topology's devices answer the kernel's lowering (no patching of JAX)
         compiled = jax.jit(attend).lower(*args).compile()
-    assert "tpu_custom_call" in compiled.as_text()  # "auto" chose the Pallas kernel for the TPU target
+    text = compiled.as_text()
+    assert "tpu_custom_call" in text and "ragged_paged_attention" in text  # "auto" chose the Pallas kernel
