@@ -1,13 +1,14 @@
 """One cell of the memory plan: a program of one model compiled for one mesh, from abstract inputs.
 
 Nothing is allocated: the train state comes from ``jax.eval_shape`` of ``init_train_state`` (so its
-structure is the trainer's own), the engine's slot state from ``jax.eval_shape`` of its
-``init_state``, and every leaf is a ``jax.ShapeDtypeStruct`` carrying the sharding the trainer
-(:func:`r3jax.train.state_shardings`, :func:`r3jax.sharding.batch_sharding`) or the engine
+structure is the trainer's own), the engine's page pool from ``jax.eval_shape`` of
+``PagedCache.init_pool``, and every leaf is a ``jax.ShapeDtypeStruct`` carrying the sharding the
+trainer (:func:`r3jax.train.state_shardings`, :func:`r3jax.sharding.batch_sharding`) or the engine
 (:class:`r3jax.engine.sharding.Placement`) would give it. The programs are the trainer's own jitted
-step (:func:`r3jax.train.make_train_step`, R3 replay) and the engine's decode program
-(:func:`r3jax.engine.slot.slots.decode`, jitted as ``Engine._build_decode`` does) lowered at those inputs
-and compiled; per-chip bytes come from each leaf's shard shape, peak memory from XLA.
+step (:func:`r3jax.train.make_train_step`, R3 replay) and the engine's mixed step
+(:func:`r3jax.engine.step.step`, jitted as ``Engine._build_step`` does) with decode rows only, lowered
+at those inputs and compiled; per-chip bytes come from each leaf's shard shape, peak memory and bytes
+accessed from XLA.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ from models.axes import ReplicationError
 from models.cache import is_latent
 from r3jax import sharding as batch_axes
 from r3jax.batch import Batch
-from r3jax.engine.slot import slots as dev
-from r3jax.engine.slot.engine import decode_program as engine_decode_program
 from r3jax.engine.programs import round_up
 from r3jax.engine.sharding import AXES as ENGINE_AXES
 from r3jax.engine.sharding import Placement
@@ -131,12 +130,6 @@ def _mesh(layout, devices) -> Mesh:
                     axis_types=(AxisType.Auto,) * 3)
 
 
-def _placed(place: Placement, params, rest, state):
-    params = _abstract(params, place.param_shardings(params))
-    rest = _abstract(rest, jax.tree.map(lambda _: place.replicated, rest))
-    return params, rest, _abstract(state, place.state(state))
-
-
 # ---- programs ------------------------------------------------------------------------------------
 def abstract_batch(cfg: MoeConfig, rows: int, seq_len: int, sharding) -> Batch:
     """A training :class:`Batch` of ``[rows, seq_len]`` ShapeDtypeStructs (routes in the compact dtype)."""
@@ -176,42 +169,77 @@ def train_program(cfg: MoeConfig, devices, *, rows: int, seq_len: int, rl_batch:
 
 def decode_program(cfg: MoeConfig, devices, *, slots: int, seq_len: int, decode_steps: int = 8,
                    block_size: int = 16, stop_width: int = 64, layout=None):
-    """The engine's decode program over ``slots`` slots of a ``seq_len`` cache, every slot live and
-    the attention window the whole cache (its largest bucket); returns ``(jitted, args, info)``.
+    """The engine's step (:func:`r3jax.engine.step.step`) as a decode-only step: ``slots`` decode rows
+    of one token each, every row's page table as long as a ``seq_len`` request, over a pool of
+    ``1 + slots * pages_per_row`` pages of ``block_size`` tokens (the engine's default pool without a
+    prefix cache); returns ``(jitted, args, info)``. The program is traced under the mesh, so the
+    paged attention's ``"auto"`` sees the target's devices (the Pallas kernel on a TPU topology,
+    :mod:`models.paged`). ``decode_steps`` and ``stop_width`` are kept for callers: a ragged step feeds
+    one token per row and the engine's stop check runs on the host.
 
     ``layout`` (data, tensor, expert) defaults to the one of :func:`decode_layouts` with the fewest
-    resident bytes per chip (parameters + slot state as :class:`Placement` places them), ties to the
+    resident bytes per chip (parameters + pool as :class:`Placement` places them), ties to the
     larger data axis; a layout on which Placement would replicate an array (models.axes) is skipped."""
-    seq = round_up(seq_len, block_size)  # as Engine: the cache length is whole prefix-cache blocks
+    del decode_steps, stop_width
+    from models.paged import PagedCache, RaggedLayout
+    from r3jax.engine import step as engine_step
+    from r3jax.engine.engine import BLOCK_TOKENS
+
+    block_pages = max(1, BLOCK_TOKENS // block_size)  # as Engine
+    pages_per_row = round_up(-(-seq_len // block_size), block_pages)
+    lay_step = RaggedLayout(decode_rows=slots, prefill_rows=0, prefill_len=1, pages_per_row=pages_per_row,
+                            block_pages=min(block_pages, pages_per_row))
+    num_pages = 1 + slots * -(-seq_len // block_size)
     model = nnx.eval_shape(lambda: MoeTransformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     rdt = route_dtype(cfg.num_experts)
-    state = jax.eval_shape(functools.partial(dev.init_state, cfg, rdt, slots=slots, seq_len=seq,
-                                             stop_width=stop_width))
+    k, v = jax.eval_shape(lambda: PagedCache.init_pool(cfg, num_pages, block_size))
     candidates = decode_layouts(cfg, len(devices), slots) if layout is None else [tuple(layout)]
     scored, refused = [], []
     for lay in candidates:
         place = Placement(_mesh(lay, devices), cfg)
         try:
-            placed = _placed(place, params, rest, state)
+            p_ = _abstract(params, place.param_shardings(params))
+            r_ = _abstract(rest, jax.tree.map(lambda _: place.replicated, rest))
+            kv = place.kv(1, by_row=False)  # as Engine: [n, P, ps, Hc, Dc], heads along tensor, pages whole
+            pool = (tuple(_abstract(a, kv) for a in k), tuple(_abstract(a, kv) for a in v))
         except ReplicationError as e:  # a layout that would replicate an array: not one the engine takes
             if layout is not None:
                 raise
             refused.append(e)
             continue
-        scored.append(((chip_bytes(placed[0]) + chip_bytes(placed[2]), -lay[0], lay[1]), lay, place, placed))
+        scored.append(((chip_bytes(p_) + chip_bytes(pool), -lay[0], lay[1]), lay, place, (p_, r_, pool)))
     if not scored:
         raise refused[0]
-    _, layout, place, (params, rest, state) = min(scored, key=lambda s: s[0])
-    idx = jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=place.replicated)
-    fn, kw = engine_decode_program(graphdef, place, state, n=slots, window=seq, steps=decode_steps)
-    jitted = jax.jit(fn, **kw)  # the engine's own decode program (all slots live: the in-place form)
+    _, layout, place, (params, rest, (k, v)) = min(scored, key=lambda s: s[0])
+    rep = place.replicated
+    sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=rep)
+    i32 = lambda *shape: sds(shape, jnp.int32)
+    n, r = lay_step.tokens, lay_step.rows
+    x = engine_step.StepInputs(tokens=i32(n), from_slot=i32(n), positions=i32(n), page=i32(n), offset=i32(n),
+                               table=i32(r, pages_per_row), kv_len=i32(r), sample_at=i32(r), slot=i32(r),
+                               key_data=sds((r, 2), jnp.uint32), index=i32(r), temperature=sds((r,), jnp.float32),
+                               top_k=i32(r), top_p=sds((r,), jnp.float32), processed=sds((r,), jnp.bool_))
+    last = i32(slots)
+    mesh = place.mesh
+    fn = functools.partial(engine_step.step, graphdef, layout=lay_step, head_only=callable(getattr(model, "logits", None)),
+                           route_dtype=rdt)
+
+    def under_mesh(*args):  # the kernels choose by the target's devices (models/paged.py)
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args)
+
+    kv = place.kv(1, by_row=False)
+    out = (tuple(kv for _ in k), tuple(kv for _ in v), rep, rep, rep, rep)
+    jitted = jax.jit(under_mesh, donate_argnums=(2, 3, 4), out_shardings=out)  # as Engine._build_step
+    routes = sds((n, cfg.num_moe_layers, cfg.top_k), rdt)  # the step's route rows (the pool's are on the host)
     info = {"mesh": dict(zip(ENGINE_AXES, layout)), "params_bytes": chip_bytes(params),
             "optimizer_bytes": 0, "params_total_bytes": full_bytes(params), "slots": slots,
-            "kv_cache_bytes": chip_bytes(state.cache), "routes_bytes": chip_bytes(state.routes),
-            "routes_total_bytes": full_bytes(state.routes), "slot_state_bytes": chip_bytes(state),
-            "routes_sharding": describe_sharding(state.routes), "layouts_considered": len(scored)}
-    return jitted, (params, rest, state, idx), info
+            "num_pages": num_pages, "pages_per_row": pages_per_row, "step_tokens": n,
+            "kv_cache_bytes": chip_bytes((k, v)), "routes_bytes": chip_bytes(routes),
+            "routes_total_bytes": full_bytes(routes), "slot_state_bytes": chip_bytes((k, v, last)),
+            "routes_sharding": describe_sharding(routes), "layouts_considered": len(scored)}
+    return jitted, (params, rest, k, v, last, x), info
 
 
 # ---- compile -------------------------------------------------------------------------------------
@@ -251,4 +279,6 @@ def compile_report(jitted, args) -> dict[str, Any]:
     return {"status": "fits", "compile_s": time.perf_counter() - t0, "lower_s": t_lower,
             "peak_bytes": int(ma.peak_memory_in_bytes), "argument_bytes": int(ma.argument_size_in_bytes),
             "output_bytes": int(ma.output_size_in_bytes), "alias_bytes": int(ma.alias_size_in_bytes),
-            "temp_bytes": int(ma.temp_size_in_bytes), "flops": float((cost or {}).get("flops", -1.0))}
+            "temp_bytes": int(ma.temp_size_in_bytes), "flops": float((cost or {}).get("flops", -1.0)),
+            # XLA's estimate: a while loop's body counted once, a Pallas kernel's own DMAs not at all
+            "bytes_accessed": float((cost or {}).get("bytes accessed", -1.0))}

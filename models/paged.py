@@ -15,10 +15,20 @@ table; each token is written at ``(page, offset)`` first (:class:`PagedMeta`), t
 attends over its row's pages to keys at positions ``<=`` its own, so a chunk sees the chunks before it
 in the same step.
 
-Kernels (:func:`ragged_attention`): on TPU the Pallas ragged paged attention kernel
-(:mod:`models.ragged_tpu`) when it is available; elsewhere an XLA kernel that walks the row's pages
-in blocks with an online softmax, for as many blocks as the longest row in the group needs (a
-dynamic trip count: a decode step reads the live pages only, never ``max_seq_len``).
+Kernels (:func:`ragged_attention`, ``impl``): ``"pallas"``, the TPU Pallas ragged paged attention
+kernel (:mod:`models.ragged_tpu`; GQA with a head dim that is a multiple of 128; it converts the pool
+layout at the call, a full pool copy per layer and step, see there); ``"xla"``, an XLA kernel that
+walks the row's pages in blocks with an online softmax, for as many blocks as the longest row in the
+group needs (a dynamic trip count: a decode step reads the live pages only, never ``max_seq_len``);
+``"auto"``: pallas when the target is a TPU and the kernel covers the call, xla otherwise. The target
+is the current mesh's device platform when a mesh is set (so a program compiled ahead of time for a
+TPU topology under ``jax.set_mesh`` gets the Pallas kernel), else ``jax.default_backend()``; on a
+host of several TPU devices a program traced without a mesh gets xla (the kernel then runs in a
+``jax.shard_map`` over the mesh, which it needs to know: trace the step under
+``jax.set_mesh(placement.mesh)``). The
+model passes ``MoeConfig.attention_impl``, whose full-sequence names map here as: ``"splash"`` -> auto
+(the TPU Pallas kernel where the target is a TPU and it covers the call), ``"blockwise"`` and
+``"cudnn"`` -> xla (there is no ragged cuDNN kernel).
 """
 
 from __future__ import annotations
@@ -131,8 +141,13 @@ def ragged_attention(q, keys, values, positions, meta: PagedMeta, *, scale: floa
 
     q [1, N, H, Dq]; keys: a tuple of page arrays [P, ps, Hkv, d_i] whose gathers are concatenated on
     the last axis into the key (GQA: ``(k,)``; MLA's latent cache: ``(c_kv, k_rot)``); values [P, ps,
-    Hkv, Dv]; positions [1, N]. Returns [1, N, H, Dv] in q's dtype.
+    Hkv, Dv]; positions [1, N]. Returns [1, N, H, Dv] in q's dtype. ``impl``: :data:`RAGGED_IMPLS` or a
+    full-sequence ``MoeConfig.attention_impl`` name (module docstring).
     """
+    if _resolve(impl, q, keys, values, dtype) == "pallas":
+        from models import ragged_tpu
+
+        return ragged_tpu.ragged_paged_attention(q, keys, values, positions, meta, scale=scale, dtype=dtype)
     lay = meta.layout
     q, pos = q[0], positions[0]
     d, p = lay.decode_rows, lay.prefill_rows
@@ -147,6 +162,34 @@ def ragged_attention(q, keys, values, positions, meta: PagedMeta, *, scale: floa
                           block_pages=lay.block_pages, scale=scale, dtype=dtype)
         outs.append(out.reshape(p * t, *out.shape[2:]))
     return jnp.concatenate(outs, axis=0)[None] if len(outs) > 1 else outs[0][None]
+
+
+RAGGED_IMPLS = ("auto", "xla", "pallas")
+_FROM_FULL_SEQUENCE = {"splash": "auto", "blockwise": "xla", "cudnn": "xla"}
+
+
+def _target_platform() -> str:
+    """The platform the program is built for: the current mesh's devices (also an ahead-of-time TPU
+    topology traced on a CPU host), else the default backend."""
+    dev = jax.sharding.get_abstract_mesh().abstract_device
+    return dev.platform if dev is not None else jax.default_backend()
+
+
+def _resolve(impl: str, q, keys, values, dtype) -> str:
+    """``"pallas"`` or ``"xla"`` for this call (module docstring)."""
+    impl = _FROM_FULL_SEQUENCE.get(impl, impl)
+    if impl not in RAGGED_IMPLS:
+        raise ValueError(f"ragged_attention impl={impl!r}: expected one of {', '.join(map(repr, RAGGED_IMPLS))} "
+                         f"or a full-sequence attention_impl ({', '.join(map(repr, _FROM_FULL_SEQUENCE))})")
+    if impl in ("xla", "pallas"):
+        return impl  # an explicit "pallas" raises in models.ragged_tpu when the kernel cannot take the call
+    if _target_platform() != "tpu":
+        return "xla"
+    if jax.sharding.get_abstract_mesh().empty and jax.device_count() > 1:
+        return "xla"  # a Mosaic kernel cannot be partitioned automatically and, without a mesh, not by us
+    from models import ragged_tpu
+
+    return "pallas" if ragged_tpu.unsupported(q, keys, values, dtype) is None else "xla"
 
 
 def _paged_rows(q, keys, values, q_pos, table, kv_len, *, block_pages: int, scale: float, dtype):

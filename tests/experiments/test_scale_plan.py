@@ -53,10 +53,13 @@ def test_decode_cell_on_a_simulated_cpu_mesh(cpu_decode):
     assert c["status"] == "fits", c.get("error")
     d, t, e = (c["mesh"][a] for a in ("data", "tensor", "expert"))
     assert d * t * e == 4 and CFG.num_kv_heads % t == 0 and CFG.num_experts // e >= 2
-    # KV cache [slots, S, Hkv, Dh] per layer (k and v): slots along data, kv heads along tensor
-    kv = 2 * CFG.num_layers * RL_BATCH * SEQ * CFG.num_kv_heads * CFG.head_dim * 4
-    assert c["kv_cache_bytes"] == kv // (d * t)
-    assert c["routes_bytes"] == RL_BATCH * SEQ * L * K // d
+    # the page pool [P, 16, Hkv, Dh] per layer (k and v), P = 1 + slots * pages of a SEQ request: kv
+    # heads along tensor, pages whole (the engine's pool)
+    assert c["num_pages"] == 1 + RL_BATCH * -(-SEQ // 16)
+    kv = 2 * CFG.num_layers * c["num_pages"] * 16 * CFG.num_kv_heads * CFG.head_dim * 4
+    assert c["kv_cache_bytes"] == kv // t
+    assert c["routes_bytes"] == RL_BATCH * L * K  # one decode token per slot: the step's route rows
+    assert c["bytes_accessed"] > 0
     # the layout chosen has the fewest resident bytes per chip of every layout the engine could use
     assert (d, t, e) in aot_cells.decode_layouts(CFG, 4, RL_BATCH)
     resident = {lay: (lambda i: i["params_bytes"] + i["slot_state_bytes"])(aot_cells.decode_program(

@@ -1,0 +1,184 @@
+"""The Pallas ragged paged attention path (models/ragged_tpu.py) and the kernel dispatch of
+models.paged.ragged_attention.
+
+On CPU the kernel itself cannot run (interpret mode fails on it in jax 0.10.2, see
+models/ragged_tpu.py), so the adapter is checked through the kernel's pure-JAX reference, which takes
+the same inputs, against pages_reference and the XLA kernel; with libtpu (.venv-tpu) the real kernel
+is compiled for a v5p slice ahead of time.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import paged, ragged_tpu
+from models.paged import PagedMeta, RaggedLayout
+
+PS, PAGES, H, HKV, D = 4, 24, 4, 2, 128
+SCALE = D ** -0.5
+
+
+def _step(lay: RaggedLayout, decode, chunks, seed=0):
+    """A planner-shaped step (r3jax/engine/planner.build): ``decode`` a list of context lengths (the row
+    feeds position len - 1), ``chunks`` a list of ``(lo, hi)`` prompt chunks (hi - lo <= prefill_len,
+    padding at position hi - 1); rows not given are padding rows (kv_len 1, position 0, page 0).
+    Returns (q, k pages, v pages, positions, meta) with every row on its own distinct pages."""
+    rng = np.random.default_rng(seed)
+    n, r = lay.tokens, lay.rows
+    free = list(rng.permutation(np.arange(1, PAGES)))
+    table, kv_len = np.zeros((r, lay.pages_per_row), np.int32), np.ones(r, np.int32)
+    pos, page, off = np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, np.int32)
+
+    def pages_for(i, length):
+        need = -(-length // PS)
+        table[i, :need] = [free.pop() for _ in range(need)]
+
+    for i, length in enumerate(decode):
+        pages_for(i, length)
+        pos[i], kv_len[i] = length - 1, length
+        page[i], off[i] = table[i, (length - 1) // PS], (length - 1) % PS
+    for c, (lo, hi) in enumerate(chunks):
+        i, t0 = lay.decode_rows + c, lay.decode_rows + c * lay.prefill_len
+        pages_for(i, hi)
+        kv_len[i] = hi
+        pos[t0:t0 + lay.prefill_len] = hi - 1
+        pos[t0:t0 + hi - lo] = np.arange(lo, hi)
+        for j, p in enumerate(range(lo, hi)):
+            page[t0 + j], off[t0 + j] = table[i, p // PS], p % PS
+    q = jnp.asarray(rng.normal(size=(1, n, H, D)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(PAGES, PS, HKV, D)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(PAGES, PS, HKV, D)), jnp.float32)
+    meta = PagedMeta(jnp.asarray(table), jnp.asarray(page), jnp.asarray(off), jnp.asarray(kv_len), lay)
+    return q, k, v, jnp.asarray(pos)[None], meta
+
+
+# 3 decode rows (one a padding row), 3 prefill rows: a full chunk, a prompt's short last chunk, a
+# padding row; context lengths end mid-page
+LAYOUT = RaggedLayout(decode_rows=3, prefill_rows=3, prefill_len=6, pages_per_row=4, block_pages=2)
+DECODE, CHUNKS = [7, 13], [(3, 9), (10, 13)]
+
+
+def _real_tokens(lay, chunks):
+    """Indices of the non-padding tokens of :func:`_step`'s layout."""
+    idx = list(range(len(DECODE)))
+    for c, (lo, hi) in enumerate(chunks):
+        t0 = lay.decode_rows + c * lay.prefill_len
+        idx += list(range(t0, t0 + hi - lo))
+    return np.array(idx)
+
+
+def test_packing_of_padded_rows():
+    _, _, _, pos, meta = _step(LAYOUT, DECODE, CHUNKS)
+    slot, real, cu = ragged_tpu.packing(pos, meta)
+    # decode rows 1 each; prefill: 6 real, 3 real (+3 padding), a padding row counts 1 (+5 padding)
+    assert np.asarray(cu).tolist() == [0, 1, 2, 3, 9, 12, 13]
+    assert np.asarray(slot).tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 11, 11, 11, 12, 12, 12, 12, 12, 12]
+    assert np.flatnonzero(np.asarray(real)).tolist() == list(range(3)) + list(range(3, 9)) + [9, 10, 11, 15]
+
+
+def test_adapter_matches_pages_reference_and_the_xla_kernel():
+    q, k, v, pos, meta = _step(LAYOUT, DECODE, CHUNKS)
+    want = paged.pages_reference(q, (k,), v, pos, meta, scale=SCALE)
+    xla = paged.ragged_attention(q, (k,), v, pos, meta, scale=SCALE, dtype=jnp.float32, impl="xla")
+    got = ragged_tpu.reference_via_kernel_contract(q, (k,), v, pos, meta, scale=SCALE, dtype=jnp.float32)
+    real, got = _real_tokens(LAYOUT, CHUNKS), np.asarray(got)
+    np.testing.assert_allclose(got[:, real], want[:, real], atol=2e-5)
+    np.testing.assert_allclose(got[:, real], np.asarray(xla)[:, real], atol=2e-5)
+    # a padding token gets its row's last real token's output (nothing reads it; models/ragged_tpu.py)
+    short = LAYOUT.decode_rows + LAYOUT.prefill_len  # the second chunk: 3 real tokens, then padding
+    np.testing.assert_array_equal(got[:, short + 3:short + 6], np.repeat(got[:, short + 2:short + 3], 3, axis=1))
+
+
+def test_adapter_reads_an_unsigned_int_pool_as_its_floats():
+    q, k, v, pos, meta = _step(LAYOUT, DECODE, CHUNKS, seed=1)
+    bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    got = ragged_tpu.reference_via_kernel_contract(q, (bits(k),), bits(v), pos, meta, scale=SCALE,
+                                                   dtype=jnp.bfloat16)
+    xla = paged.ragged_attention(q, (bits(k),), bits(v), pos, meta, scale=SCALE, dtype=jnp.bfloat16, impl="xla")
+    real = _real_tokens(LAYOUT, CHUNKS)
+    np.testing.assert_allclose(np.asarray(got, np.float32)[:, real], np.asarray(xla, np.float32)[:, real], atol=2e-2)
+
+
+def test_combined_pages_interleave_k_and_v_by_head():
+    _, k, v, _, _ = _step(LAYOUT, DECODE, CHUNKS)
+    kv = ragged_tpu.combined_pages(k, v, jnp.float32)
+    assert kv.shape == (PAGES, PS, 2 * HKV, D)
+    np.testing.assert_array_equal(kv[:, :, 0::2], k)
+    np.testing.assert_array_equal(kv[:, :, 1::2], v)
+
+
+def test_dispatch_per_target_and_what_the_kernel_covers():
+    q, k, v, _, _ = _step(LAYOUT, DECODE, CHUNKS)
+    resolve = lambda impl, *a: paged._resolve(impl, *a)
+    assert jax.default_backend() != "tpu"
+    assert [resolve(i, q, (k,), v, jnp.float32) for i in ("auto", "splash", "blockwise", "cudnn", "xla")] == ["xla"] * 5
+    assert resolve("pallas", q, (k,), v, jnp.float32) == "pallas"
+    assert ragged_tpu.unsupported(q, (k,), v, jnp.bfloat16) is None
+    mla_keys = (jnp.zeros((PAGES, PS, 1, 96)), jnp.zeros((PAGES, PS, 1, 32)))
+    assert "MLA" in ragged_tpu.unsupported(q, mla_keys, mla_keys[0], jnp.float32)
+    assert "multiple of 128" in ragged_tpu.unsupported(q[..., :64], (k[..., :64],), v[..., :64], jnp.float32)
+    with pytest.raises(ValueError, match=r"impl='pallas': 2 key arrays \(MLA's latent cache\)"):
+        ragged_tpu.ragged_paged_attention(q, mla_keys, mla_keys[0], None, None, scale=1.0, dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"impl='flash': expected one of 'auto', 'xla', 'pallas'"):
+        resolve("flash", q, (k,), v, jnp.float32)
+
+
+def test_block_sizes_follow_the_target_device_kind():
+    # v5p bf16, 8 q / 2 kv heads per block, head dim 128, 16-token pages: the kernel's tuned table
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes as tb
+
+    key = tb.simplify_key((jnp.bfloat16, jnp.bfloat16, 8, 2, 128, 16, 64, 64))
+    want = tb.TUNED_BLOCK_SIZES["TPU v5"].get(key, (128, 32))
+    assert ragged_tpu.block_sizes(jnp.bfloat16, 8, 2, 128, 16, 64, 64, device_kind="TPU v5") == (min(64, want[0]),
+                                                                                                min(64, want[1]))
+    assert ragged_tpu.block_sizes(jnp.bfloat16, 8, 2, 128, 16, 64, 64, device_kind="TPU v4") == (32, 32)
+
+
+def test_pallas_interpret_mode_on_cpu():
+    """Runs the real kernel in the TPU interpreter; skipped, with the interpreter's error, while JAX's
+    interpreter cannot run it (jax 0.10.2: a reshape of a VMEM buffer, models/ragged_tpu.py)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    q, k, v, pos, meta = _step(LAYOUT, DECODE, CHUNKS)
+    try:
+        with pltpu.force_tpu_interpret_mode():
+            got = np.asarray(paged.ragged_attention(q, (k,), v, pos, meta, scale=SCALE, dtype=jnp.float32,
+                                                    impl="pallas"))
+    except Exception as err:  # noqa: BLE001 - the interpreter's coverage is outside this project
+        cause = [line for line in str(err).splitlines() if line.strip()][-1]  # the callback's own error
+        pytest.skip(f"Pallas TPU interpret mode does not run ragged paged attention here: {type(err).__name__}: "
+                    f"{cause[:200]}")
+    want = paged.pages_reference(q, (k,), v, pos, meta, scale=SCALE)
+    real = _real_tokens(LAYOUT, CHUNKS)
+    np.testing.assert_allclose(got[:, real], want[:, real], atol=2e-5)
+
+
+def test_ragged_paged_attention_compiles_for_a_tpu_topology():
+    from experiments import topologies
+
+    if not topologies.tpu_aot_available():
+        pytest.skip("libtpu not installed: install the tpu-aot extra (.venv-tpu) to compile for a TPU topology")
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    devs = topologies.devices(topologies.topology("v5p:2x2x1"), "tpu")
+    mesh = jax.sharding.Mesh(np.array(devs).reshape(2, 2, 1), ("data", "tensor", "expert"))
+    lay = RaggedLayout(decode_rows=16, prefill_rows=2, prefill_len=64, pages_per_row=16)
+    n, r, h, hkv, d, pages, ps = lay.tokens, lay.rows, 8, 4, 128, 256, 16
+    rep = NamedSharding(mesh, P())
+    heads = NamedSharding(mesh, P(None, None, "tensor"))
+    sd = lambda shape, dt, sh=rep: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+    args = (sd((1, n, h, d), jnp.bfloat16, NamedSharding(mesh, P(None, None, "tensor"))),
+            sd((pages, ps, hkv, d), jnp.bfloat16, heads), sd((pages, ps, hkv, d), jnp.bfloat16, heads),
+            sd((1, n), jnp.int32), sd((r, lay.pages_per_row), jnp.int32), sd((r,), jnp.int32))
+
+    def attend(q, k, v, pos, table, kv_len):
+        meta = PagedMeta(table, jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.int32), kv_len, lay)
+        return paged.ragged_attention(q, (k,), v, pos, meta, scale=d ** -0.5, dtype=jnp.bfloat16, impl="auto")
+
+    with jax.set_mesh(mesh):  # the topology's devices answer the kernel's lowering (no patching of JAX)
+        compiled = jax.jit(attend).lower(*args).compile()
+    text = compiled.as_text()
+    assert "tpu_custom_call" in text and "ragged_paged_attention" in text  # "auto" chose the Pallas kernel
