@@ -312,6 +312,13 @@ class Engine:
     def _build_step(self, lay: RaggedLayout):
         fn = functools.partial(dev.step, self._graphdef, layout=lay, head_only=self._head_only,
                                route_dtype=self.route_dtype)
+        mesh = self.placement.mesh
+        if mesh is not None:  # traced under the mesh: attention picks its kernel by the mesh's devices
+            inner = fn
+
+            def fn(*args):
+                with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                    return inner(*args)
         rep = self.placement.replicated
         kv = self.placement.kv(1, by_row=False)
         out = (tuple(kv for _ in self._k), tuple(kv for _ in self._v), rep, rep, rep, rep)
