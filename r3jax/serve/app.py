@@ -11,7 +11,9 @@ Endpoints::
                         ``?abort_in_flight=true`` fails requests in flight (503, retryable) instead of
                         letting them finish on the old weights first
     GET  /v1/stats      request counters, requests per recent session_id, route transfer costs
-                        (``routes``: gather_s, encode_s, rows, bytes, responses) and the engine's stats
+                        (``routes``: gather_s, encode_s, rows, bytes, responses; gather_s is 0 on the
+                        paged engine, which reads route rows with each step's tokens), the device mesh
+                        (``mesh``: data, tensor, expert, devices) and the engine's stats
     GET  /openapi.json  the schema (no auth)
 
 The peers' forms on the same engine (:mod:`r3jax.serve.peer_app`): SkyRL ``POST /skyrl/v1/generate``
@@ -166,6 +168,16 @@ def model_info(engine) -> dict:
             "max_seq_len": int(engine.max_seq_len), "weight_version": int(engine.weight_version)}
 
 
+def mesh_info(engine) -> dict:
+    """The engine's device mesh: ``{"data", "tensor", "expert", "devices"}`` (all 1 on one device);
+    empty for an engine without a placement (a stand-in)."""
+    placement = getattr(engine, "placement", None)
+    if placement is None:
+        return {}
+    sizes = {axis: int(placement.size(axis)) for axis in ("data", "tensor", "expert")}
+    return {**sizes, "devices": sizes["data"] * sizes["tensor"] * sizes["expert"]}
+
+
 def _jsonable(obj: Any) -> Any:
     try:
         json.dumps(obj)
@@ -259,6 +271,7 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
         return {**bridge.stats, "in_flight": bridge.in_flight, "queued": bridge.queued,
                 "batches": eng.get("decode_calls", 0), "max_batch": eng.get("max_live_slots", 0),
                 "sessions": dict(ctx.sessions), "warmup": warm, "protocols": dict(ctx.protocols),
+                "mesh": mesh_info(engine),
                 "routes": {"gather_s": float(eng.get("route_gather_s", 0.0)), **ctx.route_stats},
                 "engine": eng}
 

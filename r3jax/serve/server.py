@@ -2,6 +2,9 @@
 
     python -m r3jax serve --model tiny --host 127.0.0.1 --port 8000 [--api-key KEY]
         [--max-batch-size 32] [--max-seq-len 256] [--seed 0] [--config PRESET|HF_DIR]
+        [--block-size 16] [--prefill-chunk 64] [--max-num-batched-tokens N] [--num-pages N]
+        [--tensor-parallel-size T] [--data-parallel-size D] [--enable-expert-parallel]
+        [--mesh DATA,TENSOR,EXPERT]
         [--compilation-cache DIR] [--static] [--tokenizer auto|byte|none|FILE] [--served-model-name NAME]
         [--enable-return-routed-experts]
 
@@ -12,6 +15,18 @@ device program is compiled (``/health`` answers 503 ``{"status": "warming_up"}``
 200) and ``r3jax serve: warm-up compiled N programs in S s`` is logged. ``--compilation-cache DIR`` keeps
 compiled programs in JAX's persistent cache, so a restart warms up from disk. ``--static`` serves the
 old way (a batch is admitted only when every slot is free, and decodes to completion), for comparisons.
+
+**Devices.** The engine runs on one ``(data, tensor, expert)`` mesh (:mod:`r3jax.engine.sharding`:
+attention heads, dense MLP and each expert's hidden dim along ``tensor``, experts along ``expert``,
+parameters replicated over ``data``). Give it as ``--mesh DATA,TENSOR,EXPERT``, or with vLLM's flags:
+``--tensor-parallel-size T --data-parallel-size D`` is the mesh ``(D, T, 1)``; adding
+``--enable-expert-parallel`` spreads the expert weights over all ``D x T`` devices as vLLM's expert
+parallelism does (its EP size is ``D x T``): the mesh becomes ``(1, T, D)``, experts split over the
+``D`` groups and each expert's hidden dim over the ``T`` devices of a group, attention still over ``T``
+(the engine keeps no per-replica state on ``data``, so those devices lose nothing by turning into the
+expert axis). The sizes must multiply to at most the local device count (the first ones are used).
+Default: every local device along ``data`` on an accelerator, one device on CPU. ``/v1/stats``
+reports the mesh (``"mesh": {"data", "tensor", "expert", "devices"}``).
 
 SIGTERM / SIGINT: uvicorn stops accepting connections, lets in-flight requests finish (up to
 ``--graceful-timeout`` seconds), then the app refuses anything still queued with 503 (clients retry
@@ -28,7 +43,14 @@ import socket
 import sys
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+# r3jax.engine.Engine's defaults (not imported here: --help must not start JAX; a test checks they agree)
+ENGINE_DEFAULTS = dict(block_size=16, prefill_chunk=64)
+ENGINE_DEFAULT_PREFILL_ROWS = 4
+
+
+def parse_args(argv: list[str], devices=None) -> argparse.Namespace:
+    """The server's flags. ``devices``: the local devices the mesh flags are checked against
+    (default: ``jax.local_devices()``)."""
     ap = argparse.ArgumentParser(prog="python -m r3jax serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny", help="preset name, Hugging Face dir or orbax params dir")
     ap.add_argument("--config", default=None, help="config for an orbax --model: preset or HF dir")
@@ -46,7 +68,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="device memory for the engine's prefix cache (0 turns it off)")
     ap.add_argument("--compilation-cache", default=None, metavar="DIR",
                     help="JAX persistent compilation cache directory (a restart reuses compiled programs)")
-    ap.add_argument("--decode-steps", type=int, default=8, help="tokens per slot per decode call")
+    ap.add_argument("--decode-steps", type=int, default=None,
+                    help="ignored (kept for old scripts): every step decodes one token per running request")
+    eng = ap.add_argument_group("engine", "the paged KV + route pool and the step budget (r3jax.engine.Engine)")
+    eng.add_argument("--block-size", type=int, default=ENGINE_DEFAULTS["block_size"], help="tokens per page")
+    eng.add_argument("--prefill-chunk", type=int, default=ENGINE_DEFAULTS["prefill_chunk"],
+                     help="prompt tokens per prefill row (a long prompt takes several rows, over several steps)")
+    eng.add_argument("--max-num-batched-tokens", type=int, default=None,
+                     help="tokens per step: --max-batch-size decode rows + whole prefill chunks (default: "
+                          f"--max-batch-size + {ENGINE_DEFAULT_PREFILL_ROWS} x --prefill-chunk)")
+    eng.add_argument("--num-pages", type=int, default=None,
+                     help="pages in the pool (default: --max-batch-size full sequences + --prefix-cache-mb)")
+    par = ap.add_argument_group("devices", "the (data, tensor, expert) mesh: --mesh, or vLLM's flags (not both)")
+    par.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                     help="devices along tensor (attention heads, MLP and expert hidden dims)")
+    par.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                     help="devices along data (parameters replicated)")
+    par.add_argument("--enable-expert-parallel", action="store_true",
+                     help="split the experts over the data-parallel devices: mesh (1, TP, DP)")
+    par.add_argument("--mesh", default=None, metavar="DATA,TENSOR,EXPERT",
+                     help="the mesh sizes (default: every local device along data on an accelerator, "
+                          "one device on CPU)")
     ap.add_argument("--static", action="store_true",
                     help="admit a batch only when every slot is free (the old static batching; for benchmarks)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
@@ -62,14 +104,67 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--graceful-timeout", type=float, default=30.0)
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)
-    for name in ("max_batch_size", "max_seq_len", "max_body_bytes", "decode_steps"):
-        if getattr(args, name) < 1:
+    for name in ("max_batch_size", "max_seq_len", "max_body_bytes", "block_size", "prefill_chunk",
+                 "max_num_batched_tokens", "num_pages", "tensor_parallel_size", "data_parallel_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= 1")
     if not 0 <= args.port < 65536:
         ap.error(f"--port={args.port}: expected 0..65535")
     if args.prefix_cache_mb < 0:
         ap.error(f"--prefix-cache-mb={args.prefix_cache_mb}: expected >= 0")
+    least = args.max_batch_size + args.prefill_chunk
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < least:
+        ap.error(f"--max-num-batched-tokens={args.max_num_batched_tokens}: expected >= --max-batch-size + "
+                 f"--prefill-chunk = {least} (every decode row and one prefill chunk per step)")
+    pages = 1 + -(-args.max_seq_len // args.block_size)
+    if args.num_pages is not None and args.num_pages < pages:
+        ap.error(f"--num-pages={args.num_pages}: expected >= {pages} (the trash page + one sequence of "
+                 f"--max-seq-len={args.max_seq_len} in --block-size={args.block_size} pages)")
+    if devices is None:
+        import jax
+
+        devices = jax.local_devices()
+    try:
+        args.mesh_shape = mesh_shape(args, len(devices), devices[0].platform)
+    except ValueError as e:
+        ap.error(str(e))
     return args
+
+
+def _mesh_flag(value: str) -> tuple[int, int, int]:
+    """``--mesh DATA,TENSOR,EXPERT`` -> three ints >= 1."""
+    parts = value.split(",")
+    try:
+        sizes = tuple(int(p) for p in parts)
+    except ValueError:
+        sizes = ()
+    if len(sizes) != 3 or min(sizes) < 1:
+        raise ValueError(f"--mesh={value!r}: expected DATA,TENSOR,EXPERT, three ints >= 1 (e.g. 2,2,2)")
+    return sizes
+
+
+def mesh_shape(args: argparse.Namespace, num_devices: int, platform: str) -> tuple[int, int, int]:
+    """The ``(data, tensor, expert)`` sizes the flags ask for, on ``num_devices`` local devices of
+    ``platform`` (see the module docstring). Raises ValueError naming the flag, its value and what
+    was expected."""
+    vllm = [f"--{n}" for n, v in (("tensor-parallel-size", args.tensor_parallel_size),
+                                  ("data-parallel-size", args.data_parallel_size),
+                                  ("enable-expert-parallel", args.enable_expert_parallel or None)) if v is not None]
+    if args.mesh is not None:
+        if vllm:
+            raise ValueError(f"--mesh={args.mesh!r} and {' '.join(vllm)}: expected one of them (--mesh gives "
+                             "every axis; the vLLM flags are its other spelling)")
+        shape, named = _mesh_flag(args.mesh), f"--mesh={args.mesh}"
+    elif vllm:
+        t, d = args.tensor_parallel_size or 1, args.data_parallel_size or 1
+        shape = (1, t, d) if args.enable_expert_parallel else (d, t, 1)
+        named = f"--tensor-parallel-size={t} x --data-parallel-size={d}"
+    else:  # the default: the whole accelerator, or one CPU device (simulated CPU devices share the cores)
+        return (1, 1, 1) if platform == "cpu" else (num_devices, 1, 1)
+    n = shape[0] * shape[1] * shape[2]
+    if n > num_devices:
+        raise ValueError(f"{named}: {n} devices, expected at most the {num_devices} local {platform} device(s)")
+    return shape
 
 
 def build_engine(args: argparse.Namespace):
@@ -81,8 +176,25 @@ def build_engine(args: argparse.Namespace):
     dtype = None if args.dtype is None else getattr(jnp, args.dtype)
     model = build_model(args.model, config=args.config, seed=args.seed, dtype=dtype)
     return Engine(model, max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
-                  prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)), decode_steps=args.decode_steps,
-                  static=args.static)
+                  prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)), block_size=args.block_size,
+                  prefill_chunk=args.prefill_chunk, max_num_batched_tokens=args.max_num_batched_tokens,
+                  num_pages=args.num_pages, mesh=build_mesh(args.mesh_shape), static=args.static)
+
+
+def build_mesh(shape: tuple[int, int, int], devices=None):
+    """The engine's mesh of ``(data, tensor, expert)`` sizes over the first local devices, or None
+    for one device (the engine's single-device placement)."""
+    import math
+
+    import jax
+
+    from r3jax.engine.sharding import make_mesh
+
+    n = math.prod(shape)
+    if n == 1:
+        return None
+    devices = list(jax.local_devices() if devices is None else devices)[:n]
+    return make_mesh(*shape, devices=devices)
 
 
 def build_tokenizer(spec: str, model: str, vocab_size: int):
@@ -165,8 +277,15 @@ def main(argv: list[str] | None = None) -> None:
     try:
         engine = build_engine(args)
         tokenizer = build_tokenizer(args.tokenizer, args.model, engine.config.vocab_size)
-    except (ValueError, FileNotFoundError) as e:  # a bad --model / --config: say so, no traceback
-        raise SystemExit(f"python -m r3jax serve: {e}") from None
+    except (ValueError, FileNotFoundError) as e:  # a bad --model / --config / mesh: say so, no traceback
+        from models.axes import ReplicationError
+
+        hint = ""
+        if isinstance(e, ReplicationError):  # the model's shapes do not divide over the mesh asked for
+            data, tensor, expert = args.mesh_shape
+            hint = (f" (mesh data={data}, tensor={tensor}, expert={expert} from --mesh / --tensor-parallel-size"
+                    " / --data-parallel-size / --enable-expert-parallel: pick sizes that divide the model's)")
+        raise SystemExit(f"python -m r3jax serve: {e}{hint}") from None
     app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                      served_model_name=args.served_model_name or args.model, tokenizer=tokenizer,
                      return_routed_experts_default=args.enable_return_routed_experts)

@@ -32,7 +32,7 @@ def kimi(serve_helpers):
     assert routes_lib.route_dtype(cfg.num_experts) == np.int16 and cfg.moe_layer_ids == (1,)
     model = MoeTransformer(cfg, rngs=nnx.Rngs(0))
     engine = Engine(model, max_seq_len=32, max_batch_size=1, prefix_cache_bytes=0, block_size=8, prefill_chunk=16,
-                    min_prefill_chunk=16, min_seq_bucket=32, moe_impl="dense")
+                    prefill_rows=1, moe_impl="dense")
     # no warm-up: this test needs a handful of the engine's programs, compiled as they are first used
     with serve_helpers.thread_server(create_app(engine, warmup=False, served_model_name="kimi")) as srv:
         yield model, engine, srv.url
