@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 import models
+from models import paged
 from models.axes import EXPERT_IN, EXPERT_OUT
 from r3jax import handoff, routes as wire, train
 from r3jax.batch import collate
@@ -77,16 +78,15 @@ class OwnMoe(nnx.Module):
             allowed = jnp.broadcast_to(idx[None, :, None] >= idx[None, None, :], (b, t, t))
             if segment_ids is not None:
                 allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
-            keys, values, new_cache = k, v, None
-        else:  # models.KVCache, one group of one layer: k[0] [1, B, S, 1, D]; slot s = position s
-            rows = jnp.arange(b)[:, None]
-            ck = cache.k[0].at[0, rows, positions, 0].set(k)
-            cv = cache.v[0].at[0, rows, positions, 0].set(v)
-            new_cache = models.KVCache(k=(ck,), v=(cv,))
-            keys, values = ck[0, :, :, 0], cv[0, :, :, 0]
-            allowed = jnp.arange(keys.shape[1])[None, None, :] <= positions[:, :, None]
-        scores = jnp.where(allowed, q @ jnp.swapaxes(keys, 1, 2) / np.sqrt(c.hidden_size), -1e30)
-        h = x + jax.nn.softmax(scores, -1) @ values @ self.wo[...]
+            scores = jnp.where(allowed, q @ jnp.swapaxes(k, 1, 2) / np.sqrt(c.hidden_size), -1e30)
+            h, new_cache = x + jax.nn.softmax(scores, -1) @ v @ self.wo[...], None
+        else:  # the engine's page pool (models.paged), one group of one layer: k[0] [1, P, ps, 1, D]
+            pk = paged.write(cache.k[0][0], k[:, :, None], cache.meta, jnp.float32)
+            pv = paged.write(cache.v[0][0], v[:, :, None], cache.meta, jnp.float32)
+            new_cache = paged.PagedCache(k=(pk[None],), v=(pv[None],), meta=cache.meta)
+            att = paged.ragged_attention(q[:, :, None], (pk,), pv, positions, cache.meta,
+                                         scale=c.hidden_size ** -0.5, dtype=jnp.float32)  # [1, N, 1, D]
+            h = x + att[:, :, 0] @ self.wo[...]
 
         router_logits = h @ self.router[...]  # [B, T, E]
         probs = jax.nn.softmax(router_logits, -1)
@@ -237,7 +237,7 @@ def test_own_model_rolls_out_through_engine():
     cfg = ENGINE_CONFIG
     model = OwnMoe(cfg, rngs=nnx.Rngs(1))
     engine = Engine(model, max_seq_len=32, max_batch_size=4, block_size=4, prefix_cache_bytes=1 << 16,
-                    min_seq_bucket=16, prefill_chunk=16, min_prefill_chunk=16, decode_steps=4)
+                    prefill_chunk=16)
     rng = np.random.default_rng(0)
     convs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (3, 4, 5, 6)]
     traces = [RoutedExpertTrace() for _ in convs]
