@@ -1,0 +1,286 @@
+"""The paged engine (:class:`r3jax.engine.Engine`) beside the slot engine it replaced
+(:class:`r3jax.engine.slot.SlotEngine`), in one process, on the tiny model.
+
+    python -m experiments.bench_paged [--quick] [--compilation-cache DIR] [--no-progress]
+
+Both engines: ``max_seq_len`` 512, ``max_batch_size`` 8, prefix cache off (random prompts hit nothing,
+and cached pages would count as pages in use), greedy, routes captured, the same seeded request stream.
+
+1. **Compilation.** Programs compiled by ``warmup()`` and its cold seconds (this process has no
+   persistent cache). With a compilation cache (``--compilation-cache DIR``; a fresh temporary one by
+   default outside ``--quick``), the paged engine's warm-up runs in a fresh subprocess twice: cold (empty
+   cache), then restart (the same cache). Goals: <= 12 programs, cold <= 30 s, restart <= 5 s.
+2. **Time to first token** of short requests (8-token prompt, 8 new tokens) submitted while long
+   prompts (400 tokens) prefill: p50 / p99 of the engine's own submit -> first token seconds, of the
+   short requests only.
+3. **Long-tailed mix.** Most requests short, a few long prompts, a few long generations, submitted at
+   once; mean short completion ÷ mean long completion, and the long requests' mean completion in the
+   mix ÷ the same long requests alone.
+4. **KV memory per live token** over the mix: the paged engine's peak pages in use x page bytes ÷ the
+   peak live tokens (prompt + generated of admitted requests, sampled while it runs), against the slot
+   engine's reservation (max_batch_size x max_seq_len x bytes per token, KV + routes) ÷ the same tokens.
+
+Greedy outputs of both engines are compared request by request (asserted on the first few), so both
+do the same work. Writes experiments/results/bench_paged.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from experiments.common import table, write_json  # noqa: E402
+from models import MoeConfig, MoeTransformer  # noqa: E402
+from models.cache import cache_bytes_per_token  # noqa: E402
+from r3jax.engine import Engine, GenerateRequest  # noqa: E402
+from r3jax.engine.slot import SlotEngine  # noqa: E402
+from r3jax.routes import route_dtype  # noqa: E402
+
+MAX_SEQ, BATCH = 512, 8
+SHORT_P, SHORT_G, LONG_P, LONG_G = 8, 8, 400, 96
+CHECK_FIRST = 4  # greedy outputs asserted equal on this many requests of each workload
+
+
+def build(kind: str, model):
+    common = dict(max_seq_len=MAX_SEQ, max_batch_size=BATCH, prefix_cache_bytes=0, seed=0)
+    return Engine(model, **common) if kind == "paged" else SlotEngine(model, **common)
+
+
+def request(rng, prompt: int, gen: int, vocab: int) -> GenerateRequest:
+    return GenerateRequest(prompt_ids=rng.integers(0, vocab, prompt).tolist(), max_tokens=gen, temperature=0.0,
+                           return_routed_experts=True)
+
+
+def ttft_stream(quick: bool, vocab: int) -> list[tuple[str, GenerateRequest]]:
+    """Long prompts first, then the short requests submitted one by one while they prefill."""
+    rng = np.random.default_rng(1)
+    longs, shorts = (2, 8) if quick else (4, 24)
+    return ([("long", request(rng, LONG_P, SHORT_G, vocab)) for _ in range(longs)]
+            + [("short", request(rng, SHORT_P, SHORT_G, vocab)) for _ in range(shorts)])
+
+
+def mix_stream(quick: bool, vocab: int) -> list[tuple[str, GenerateRequest]]:
+    """Long-tailed: ~80% short, ~10% long prompts, ~10% long generations, in a seeded random order."""
+    rng = np.random.default_rng(2)
+    n = 20 if quick else 48
+    kinds = rng.choice(["short", "long_prompt", "long_gen"], size=n, p=[0.8, 0.1, 0.1]).tolist()
+    kinds[:2] = ["long_prompt", "long_gen"]  # at least one of each long kind
+    shapes = {"short": (SHORT_P, SHORT_G), "long_prompt": (LONG_P, SHORT_G), "long_gen": (16, LONG_G)}
+    return [(k, request(rng, *shapes[k], vocab)) for k in kinds]
+
+
+class TaggedTTFT(list):
+    """Stands in for an engine's ``_ttft`` list: each submit -> first token value the engine records is
+    also kept with the request it belongs to (read from the recording frame: ``seq`` in the paged loop,
+    ``take`` in the slot scheduler), so the short requests' values can be told from the long ones'."""
+
+    def __init__(self, values=()):
+        super().__init__(values)
+        self.by_request: dict[int, float] = {}
+
+    def append(self, value):
+        seq = sys._getframe(1).f_locals.get("seq")
+        if seq is not None:
+            self.by_request[id(seq.job.request)] = value
+        super().append(value)
+
+    def extend(self, values):
+        values = list(values)
+        take = sys._getframe(1).f_locals.get("take") or []
+        for job, v in zip(take, values):
+            self.by_request[id(job.request)] = v
+        super().extend(values)
+
+
+def live_tokens(engine) -> int:
+    """Prompt + generated tokens of the requests admitted and not finished (paged engine)."""
+    return sum(len(s.job.prompt) + len(s.tokens) for s in list(engine._sched.seqs))
+
+
+def run_stream(engine, stream, *, gap_s: float = 0.0, sample: bool = False) -> dict:
+    """Submit ``stream`` (``gap_s`` apart), wait for all; per request: kind, completion seconds, output ids,
+    engine TTFT. ``sample``: also the peak pages in use / live tokens, polled while it runs."""
+    engine._ttft = TaggedTTFT(engine._ttft)
+    done: dict[int, float] = {}
+    peak = {"pages_in_use": 0, "pages_reserved": 0, "live_tokens": 0, "samples": 0}
+    stop = threading.Event()
+
+    def sampler():
+        while not stop.is_set():
+            st = engine.stats
+            peak["pages_in_use"] = max(peak["pages_in_use"], st["pages_in_use"])
+            peak["pages_reserved"] = max(peak["pages_reserved"], st["pages_reserved"])
+            peak["live_tokens"] = max(peak["live_tokens"], live_tokens(engine))
+            peak["samples"] += 1
+            stop.wait(0.002)
+
+    thread = threading.Thread(target=sampler, daemon=True) if sample else None
+    if thread:
+        thread.start()
+    t0 = time.perf_counter()
+    futures = []
+    for i, (_, req) in enumerate(stream):
+        f = engine.submit(req)
+        f.add_done_callback(lambda _f, i=i: done.setdefault(i, time.perf_counter()))
+        futures.append((f, time.perf_counter()))
+        if gap_s:
+            time.sleep(gap_s)
+    outs = [f.result() for f, _ in futures]
+    wall = time.perf_counter() - t0
+    stop.set()
+    if thread:
+        thread.join()
+    rows = [{"kind": kind, "completion_s": done[i] - sub, "ttft_s": engine._ttft.by_request.get(id(req)),
+             "output_ids": out.output_ids} for i, ((kind, req), (_, sub), out) in enumerate(zip(stream, futures, outs))]
+    return {"wall_s": wall, "rows": rows, **({"peak": peak} if sample else {})}
+
+
+def mean_of(rows, kinds, key="completion_s") -> float:
+    vals = [r[key] for r in rows if r["kind"] in kinds]
+    return float(np.mean(vals)) if vals else float("nan")
+
+
+def pct(vals, q) -> float | None:
+    vals = [v for v in vals if v is not None]
+    return float(np.percentile(vals, q)) if vals else None
+
+
+def compare(a: dict, b: dict, name: str) -> dict:
+    """Greedy outputs request by request; the first CHECK_FIRST must be equal."""
+    same = [ra["output_ids"] == rb["output_ids"] for ra, rb in zip(a["rows"], b["rows"])]
+    assert all(same[:CHECK_FIRST]), f"{name}: greedy outputs differ between engines in the first {CHECK_FIRST}: {same}"
+    return {"equal": int(sum(same)), "of": len(same)}
+
+
+def warmup_child() -> None:
+    """Subprocess mode: build the paged engine, warm it up, print the result as one JSON line."""
+    t0 = time.perf_counter()
+    eng = build("paged", MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0)))
+    w = eng.warmup()
+    eng.close()
+    print(json.dumps({**w, "process_s": time.perf_counter() - t0}))
+
+
+def restart_warmup(cache: str) -> dict:
+    """Cold then restart warm-up of the paged engine, each in a fresh process on the persistent cache."""
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    out = {}
+    for name in ("cold", "restart"):
+        p = subprocess.run([sys.executable, "-m", "experiments.bench_paged", "--warmup-child"], env=env,
+                           capture_output=True, text=True, timeout=600)
+        if p.returncode:
+            raise RuntimeError(f"warm-up subprocess ({name}) failed:\n{p.stderr[-4000:]}")
+        out[name] = json.loads(p.stdout.strip().splitlines()[-1])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer requests, no subprocess warm-ups (~1 minute)")
+    ap.add_argument("--compilation-cache", default=None,
+                    help="persistent cache dir for the restart warm-up (default: a fresh temporary one; "
+                         "with --quick the subprocess warm-ups run only when this is given)")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--warmup-child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.warmup_child:
+        return warmup_child()
+
+    cfg = MoeConfig.tiny()
+    model = MoeTransformer(cfg, rngs=nnx.Rngs(0))
+    ttft_reqs, mix_reqs = ttft_stream(args.quick, cfg.vocab_size), mix_stream(args.quick, cfg.vocab_size)
+    long_reqs = [(k, r) for k, r in mix_reqs if k != "short"]
+    results: dict[str, dict] = {}
+    with tqdm(total=10, desc="bench_paged", disable=args.no_progress) as bar:
+        for kind in ("paged", "slot"):
+            eng = build(kind, model)
+            try:
+                w = eng.warmup()
+                bar.update()
+                run_stream(eng, ttft_stream(True, cfg.vocab_size)[:3])  # untimed: first dispatches, threads
+                before = eng.stats["compiled_programs"]
+                r = {"warmup": w, "ttft": run_stream(eng, ttft_reqs, gap_s=0.01)}
+                bar.update()
+                r["mix"] = run_stream(eng, mix_reqs, sample=kind == "paged")
+                bar.update()
+                r["long_alone"] = run_stream(eng, long_reqs)
+                bar.update()
+                r["stats"] = {k: v for k, v in eng.stats.items()}
+                r["new_programs_after_warmup"] = eng.stats["compiled_programs"] - before
+                if kind == "paged":
+                    r["page_bytes"] = eng.page_bytes
+            finally:
+                eng.close()
+            results[kind] = r
+        cache = args.compilation_cache or (None if args.quick else tempfile.mkdtemp(prefix="r3jax-bench-paged-cache-"))
+        restart = restart_warmup(cache) if cache else None
+        bar.update(2)
+
+    equal = {name: compare(results["paged"][name], results["slot"][name], name) for name in ("ttft", "mix", "long_alone")}
+
+    # KV + route bytes per token: the slot engine reserves max_batch_size x max_seq_len of them
+    route_row = cfg.num_moe_layers * cfg.top_k * route_dtype(cfg.num_experts).itemsize
+    per_token = cache_bytes_per_token(cfg) + route_row
+    peak = results["paged"]["mix"]["peak"]
+    live = max(peak["live_tokens"], 1)
+    paged_per_tok = peak["pages_in_use"] * results["paged"]["page_bytes"] / live
+    slot_per_tok = BATCH * MAX_SEQ * per_token / live
+    memory = {"bytes_per_token": per_token, "page_bytes": results["paged"]["page_bytes"], **peak,
+              "paged_bytes_per_live_token": paged_per_tok, "slot_bytes_per_live_token": slot_per_tok,
+              "paged_over_slot": paged_per_tok / slot_per_tok}
+
+    summary = {}
+    for kind, r in results.items():
+        short_ttft = [x["ttft_s"] for x in r["ttft"]["rows"] if x["kind"] == "short"]
+        mix = r["mix"]["rows"]
+        s = {"programs": r["warmup"]["programs"], "cold_warmup_s": r["warmup"]["seconds"],
+             "new_programs_after_warmup": r["new_programs_after_warmup"],
+             "short_ttft_p50_s": pct(short_ttft, 50), "short_ttft_p99_s": pct(short_ttft, 99),
+             "long_ttft_p50_s": pct([x["ttft_s"] for x in r["ttft"]["rows"] if x["kind"] == "long"], 50),
+             "short_completion_p50_s": pct([x["completion_s"] for x in r["ttft"]["rows"] if x["kind"] == "short"], 50),
+             "mix_wall_s": r["mix"]["wall_s"],
+             "mix_short_over_long": mean_of(mix, {"short"}) / mean_of(mix, {"long_prompt", "long_gen"}),
+             "mix_long_over_long_alone": mean_of(mix, {"long_prompt", "long_gen"})
+             / mean_of(r["long_alone"]["rows"], {"long_prompt", "long_gen"})}
+        summary[kind] = s
+    if restart:
+        summary["paged"]["subprocess_cold_warmup_s"] = restart["cold"]["seconds"]
+        summary["paged"]["restart_warmup_s"] = restart["restart"]["seconds"]
+
+    print()
+    metrics = [k for k in summary["paged"]]
+    print(table([{"metric": m, "paged": summary["paged"].get(m), "slot": summary["slot"].get(m)} for m in metrics],
+                ["metric", "paged", "slot"]))
+    print(f"\nKV+route memory per live token over the mix (peak {peak['live_tokens']} live tokens, "
+          f"{peak['pages_in_use']} pages in use of {results['paged']['stats']['pages_total']}): "
+          f"paged {paged_per_tok:.0f} B, slot {slot_per_tok:.0f} B, paged ÷ slot {memory['paged_over_slot']:.3f}")
+    if restart:
+        print(f"paged warm-up in a fresh process: cold {restart['cold']['seconds']:.1f} s "
+              f"({restart['cold']['programs']} programs), restart on the cache {restart['restart']['seconds']:.1f} s")
+    print(f"greedy outputs equal: {equal}")
+    for r in results.values():  # output ids are long and the per-request rows repeat the summary
+        for w in ("ttft", "mix", "long_alone"):
+            for x in r[w]["rows"]:
+                x.pop("output_ids")
+    path = write_json("bench_paged", {"quick": args.quick, "max_seq_len": MAX_SEQ, "max_batch_size": BATCH,
+                                      "summary": summary, "memory": memory, "restart_warmup": restart,
+                                      "greedy_equal": equal, "runs": results,
+                                      "goals": {"programs": 12, "cold_warmup_s": 30, "restart_warmup_s": 5}})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
