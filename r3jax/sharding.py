@@ -43,18 +43,81 @@ def _copier(shardings: tuple) -> Any:
 
 
 def place_copy(tree: Any, shardings: Any) -> Any:
-    """``tree`` placed as ``shardings`` in buffers of its own. ``jax.device_put(..., may_alias=False)``
-    alone still aliases the source's buffer on its own device when the target is replicated over
-    several devices (JAX 0.10.2); a donated train step would then delete the other side's array (the
-    engine's weights after an in-process sync, or the model's). So the copy is a jitted one, with the
-    requested shardings exactly (not just equivalent ones) on its outputs."""
-    leaves, treedef = jax.tree.flatten(jax.device_put(tree, shardings))
+    """``tree`` placed as ``shardings`` in buffers of its own, device to device where its arrays already
+    live on devices (:func:`move`). ``jax.device_put(..., may_alias=False)`` alone still aliases the
+    source's buffer on its own device when the target is replicated over several devices (JAX 0.10.2);
+    a donated train step would then delete the other side's array (the engine's weights after an
+    in-process sync, or the model's). So the copy is a jitted one, with the requested shardings exactly
+    (not just equivalent ones) on its outputs; an array already on the target's devices goes straight
+    into it (XLA reshards it there), the others are moved onto them first."""
+    leaves, treedef = jax.tree.flatten(tree)
     targets = tuple(jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)))
     if len(targets) != len(leaves):
         raise ValueError(f"shardings: {len(targets)} shardings for {len(leaves)} arrays: expected one per array")
     if not leaves:
         return jax.tree.unflatten(treedef, leaves)
-    return jax.tree.unflatten(treedef, _copier(targets)(leaves))
+    moved = [x if _on_devices_of(x, s) else move(x, s) for x, s in zip(leaves, targets)]
+    return jax.tree.unflatten(treedef, _copier(targets)(moved))
+
+
+def _on_devices_of(x: Any, s: jax.sharding.Sharding) -> bool:
+    """``x`` is a committed array on exactly ``s``'s devices, in ``s``'s order (what a jitted program
+    with output sharding ``s`` accepts as an input)."""
+    return (isinstance(x, jax.Array) and getattr(x, "_committed", False)
+            and tuple(x.sharding._device_assignment) == tuple(s._device_assignment))
+
+
+def move(x: Any, s: jax.sharding.Sharding) -> Any:
+    """``x`` on sharding ``s``, device to device when ``x`` is an array on devices.
+
+    ``jax.device_put`` of a multi-device array onto a sharding whose shards it does not hold as shards
+    (another partition spec, a subset of its devices, one device) copies the whole array through the
+    host (JAX 0.10.2, ``shard_sharded_device_array_slow_path``). Here such an array is first resharded
+    on its own devices by XLA (:func:`_bridge`: every shard of ``s`` on its own device, or on a stand-in
+    device when that one is not among ``x``'s), so the final ``device_put`` only picks (or copies) whole
+    shards between devices. A host value, an array on one device, one already laid out as ``s``, one on
+    the same devices in another order and one not fully addressable take plain ``jax.device_put``."""
+    if not isinstance(x, jax.Array) or not x.is_fully_addressable:
+        return jax.device_put(x, s)
+    src = x.sharding
+    if len(src.device_set) == 1 or src.is_equivalent_to(s, x.ndim) or not isinstance(src, NamedSharding):
+        return jax.device_put(x, s)
+    if src.device_set == s.device_set:
+        return _reshard(x, s)
+    bridge = _bridge(src, s)
+    if bridge is None:  # cannot lay s's shards out over x's devices: device_put's own path
+        return jax.device_put(x, s)
+    return jax.device_put(_reshard(x, bridge), s)
+
+
+def _reshard(x: jax.Array, s: jax.sharding.Sharding) -> jax.Array:
+    """``x`` resharded onto ``s`` (same device set) by XLA: a jitted copy when the device order is the
+    same (``device_put`` would go through the host), ``device_put``'s own reorder-then-jit otherwise."""
+    if _on_devices_of(x, s):
+        return _copier((s,))([x])[0]
+    return jax.device_put(x, s)
+
+
+def _bridge(src: jax.sharding.Sharding, dst: jax.sharding.Sharding) -> NamedSharding | None:
+    """A sharding over ``src``'s devices that holds each shard of ``dst`` as a whole shard on ``dst``'s
+    device for it (a stand-in device of ``src`` when that one is not in ``src``), replicated over the
+    devices left: ``dst``'s mesh with one more axis of ``len(src) / len(dst)``. None when ``dst`` is
+    neither a NamedSharding nor on one device, or its device count does not divide ``src``'s."""
+    if isinstance(dst, NamedSharding):
+        grid, names, types, spec = dst.mesh.devices, dst.mesh.axis_names, dst.mesh.axis_types, dst.spec
+    elif len(dst.device_set) == 1:
+        grid, names, types, spec = np.array(list(dst.device_set)), ("one",), (AxisType.Auto,), P()
+    else:
+        return None
+    have = sorted(src.device_set, key=lambda d: d.id)
+    if len(have) % grid.size:
+        return None
+    wanted = list(grid.flat)
+    spare = [d for d in have if d not in set(wanted)]
+    first = [d if d in set(have) else spare.pop(0) for d in wanted]
+    cells = np.array(first + spare, dtype=object).reshape((len(have) // grid.size,) + grid.shape)
+    mesh = Mesh(np.moveaxis(cells, 0, -1), tuple(names) + ("bridge",), axis_types=tuple(types) + (AxisType.Auto,))
+    return NamedSharding(mesh, spec)
 
 
 def batch_multiple(mesh: Mesh) -> int:

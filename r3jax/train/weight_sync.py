@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-import jax
 
 from r3jax.params_io import export_params, load_params, params_of, weights_of
 
@@ -22,14 +21,12 @@ def push_to_engine(engine: Any, model_or_state: Any) -> int:
     """In-process sync: ``engine.set_weights(weights)`` (Params and router biases,
     :func:`r3jax.params_io.weights_of`); returns the engine's new weight_version.
 
-    Leaves are handed over on one device (the default device, where an ``Engine`` lives), gathered
-    if sharded on a trainer mesh, so every sync presents the same placement: the engine compiles
-    its programs for trainer weights once (its first sync), not again on later syncs.
+    Each array is handed over where it lives (sharded on the trainer's mesh, say): the engine copies
+    it onto its own placement device to device (:func:`r3jax.sharding.place_copy`), never through the
+    host or one gathering device, and its params keep the engine's shardings, so its step programs
+    compile once whatever the trainer's layout.
     """
-    device = jax.devices()[0]
-    single = lambda x: x if isinstance(getattr(x, "sharding", None), jax.sharding.SingleDeviceSharding) \
-        else jax.device_put(x, device)
-    return int(engine.set_weights(jax.tree.map(single, weights_of(model_or_state))))
+    return int(engine.set_weights(weights_of(model_or_state)))
 
 
 def push_to_server(url: str, path, model_or_state: Any, *, api_key: str | None = None,

@@ -168,3 +168,47 @@ def test_in_process_sync_to_a_multi_device_engine_survives_donated_train_steps(t
         assert not _same(nnx.state(reference, nnx.Param), nnx.state(model, nnx.Param))  # training moved them
     finally:
         engine.close()
+
+
+def test_push_to_engine_moves_sharded_weights_device_to_device(tiny, tx, monkeypatch):
+    """Trainer params sharded on a (data, fsdp, expert) = (2, 2, 2) mesh over all 8 devices, pushed to
+    an engine on a (tensor, expert) = (2, 2) mesh over 4 of them: no weight is read back to the host
+    (``jax.device_put`` alone would copy each one through it), the engine's params carry the engine's
+    own shardings and the trainer's values, and its greedy rollouts equal an engine built directly
+    from those weights on the same mesh."""
+    import jax._src.array as jax_array
+
+    from r3jax.engine import Engine, GenerateRequest
+    from r3jax.engine.sharding import make_mesh as engine_mesh
+    from r3jax.sharding import make_mesh
+
+    cfg, model = tiny
+    trained = models.MoeTransformer(cfg, rngs=nnx.Rngs(5))  # other weights than the engine's
+    state = train.init_train_state(trained, tx, mesh=make_mesh(data=2, fsdp=2, expert=2))
+    assert any(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
+               for x in jax.tree.leaves(state.params))  # really sharded on the trainer's mesh
+    mesh = engine_mesh(data=1, tensor=2, expert=2, devices=jax.devices()[4:])
+    kw = dict(mesh=mesh, max_seq_len=32, max_batch_size=1, prefill_rows=1, prefill_chunk=16, block_size=8,
+              prefix_cache_bytes=0)
+    engine, reference = Engine(model, **kw), Engine(trained, **kw)
+    try:
+        shardings = lambda tree: [x.sharding for x in jax.tree.leaves(tree)]
+        want = shardings(engine._params)
+        reads = []  # every host read of a device array goes through ArrayImpl._value
+        value = jax_array.ArrayImpl._value
+        monkeypatch.setattr(jax_array.ArrayImpl, "_value",
+                            property(lambda a: (reads.append(a.shape), value.fget(a))[1]))
+        version = train.push_to_engine(engine, state)
+        jax.block_until_ready(engine._params)
+        monkeypatch.undo()
+        assert reads == [] and version == 1
+        assert shardings(engine._params) == want and all(s.mesh == mesh for s in want)
+        assert _same(engine._params, state.params)
+        assert _same(engine._params, reference._params)
+        req = GenerateRequest([3, 1, 4, 1, 5], max_tokens=6, temperature=0.0, return_routed_experts=True)
+        [got], [ref] = engine.generate([req]), reference.generate([req])
+        assert got.output_ids == ref.output_ids and got.weight_version == 1
+        np.testing.assert_array_equal(np.asarray(got.routed_experts), np.asarray(ref.routed_experts))
+    finally:
+        engine.close()
+        reference.close()
