@@ -63,7 +63,7 @@ def place_copy(tree: Any, shardings: Any) -> Any:
 def _on_devices_of(x: Any, s: jax.sharding.Sharding) -> bool:
     """``x`` is a committed array on exactly ``s``'s devices, in ``s``'s order (what a jitted program
     with output sharding ``s`` accepts as an input)."""
-    return (isinstance(x, jax.Array) and getattr(x, "_committed", False)
+    return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and getattr(x, "_committed", False)
             and tuple(x.sharding._device_assignment) == tuple(s._device_assignment))
 
 
@@ -77,8 +77,8 @@ def move(x: Any, s: jax.sharding.Sharding) -> Any:
     device when that one is not among ``x``'s), so the final ``device_put`` only picks (or copies) whole
     shards between devices. A host value, an array on one device, one already laid out as ``s``, one on
     the same devices in another order and one not fully addressable take plain ``jax.device_put``."""
-    if not isinstance(x, jax.Array) or not x.is_fully_addressable:
-        return jax.device_put(x, s)
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or not x.is_fully_addressable:
+        return jax.device_put(x, s)  # a host value, a tracer (under eval_shape / jit), another process's
     src = x.sharding
     if len(src.device_set) == 1 or src.is_equivalent_to(s, x.ndim) or not isinstance(src, NamedSharding):
         return jax.device_put(x, s)
