@@ -173,13 +173,17 @@ class Engine:
         cached_tokens: prompt tokens whose KV and routes came from cached pages; padded_tokens: token
         slots of steps left empty; wasted_tokens: tokens computed for requests that had already
         stopped (the step planned before their stop token was read); host_wait_s: seconds the host
-        blocked on step outputs; compiled_programs: fixed after :meth:`warmup`; pages_*: the pool."""
+        blocked on step outputs; compiled_programs: fixed after :meth:`warmup` (``warmup()["new"]`` counts
+        programs new to this process, loaded from the persistent compilation cache or compiled);
+        pages_in_use: pages some request references; pages_reserved: pages promised to admitted requests
+        and not taken yet (in use + reserved is what admission has committed); prefix_cache_blocks: indexed
+        pages, any unreferenced one of which may be evicted (capacity: every page, 0 with caching off)."""
         ttft = np.asarray(self._ttft[-1024:]) if self._ttft else None
         pool = self.pool
         return {**self._counters, "compiled_programs": len(self.programs),
                 "live_slots": self._sched.live, "queued": self._sched.queued,
                 "pages_total": pool.num_pages - 1, "pages_in_use": pool.in_use, "pages_reserved": pool.reserved,
-                "prefix_cache_blocks": pool.cached, "prefix_cache_capacity_blocks": pool.num_pages - 1,
+                "prefix_cache_blocks": pool.cached, "prefix_cache_capacity_blocks": pool.num_pages - 1 if pool.prefix else 0,
                 "prefix_cache_block_bytes": self.page_bytes, "prefix_cache_evictions": pool.evictions,
                 "ttft_p50_s": None if ttft is None else float(np.percentile(ttft, 50)),
                 "ttft_p99_s": None if ttft is None else float(np.percentile(ttft, 99)),
