@@ -351,10 +351,7 @@ class Engine:
     def reset_state(self) -> None:
         """A fresh pool (after a failed step left a donated buffer unusable); cached prefixes dropped."""
         self._init_state()
-        self.pool.ref[:] = 0
-        self.pool.reserved = 0
-        del self.pool._free
-        self.pool.clear(self.weight_version)
+        self.pool.reset(self.weight_version)
 
 
 def _check(name, value, lo):

@@ -65,12 +65,14 @@ class PagePool:
         return True
 
     def unreserve(self, n: int) -> None:
+        if n > self.reserved:
+            raise RuntimeError(f"unreserve({n}): only {self.reserved} pages are reserved")
         self.reserved -= n
-        assert self.reserved >= 0, self.reserved
 
     def take(self) -> int:
         """One page out of a reservation (a free one, else the least recently used indexed one)."""
-        assert self.reserved > 0, "take() without a reservation"
+        if self.reserved <= 0:
+            raise RuntimeError("take() without a reservation")
         self.reserved -= 1
         if self._free:
             page = self._free.pop()
@@ -84,13 +86,21 @@ class PagePool:
     def release(self, pages: list[int]) -> None:
         """Drop one reference to each page (leaf first); an unreferenced page is evictable if indexed, else free."""
         for page in reversed(pages):
+            if self.ref[page] <= 0:
+                raise RuntimeError(f"release(): page {page} is not referenced")
             self.ref[page] -= 1
-            assert self.ref[page] >= 0, (page, self.ref[page])
             if self.ref[page] == 0:
                 if page in self._key_of:
                     self._lru[page] = None
                 else:
                     self._free.append(page)
+
+    def reset(self, weight_version: int) -> None:
+        """Every page free, nothing reserved or indexed (after the device pool was rebuilt)."""
+        self.ref[:] = 0
+        self.reserved = 0
+        del self._free
+        self.clear(weight_version)
 
     # ---- prefix index --------------------------------------------------------------------------------
     def clear(self, weight_version: int) -> None:

@@ -126,7 +126,8 @@ def build(pool: PagePool, decoding: list[Seq], chunks: list[tuple[Seq, int, int]
         x["temperature"][i], x["top_k"][i], x["top_p"][i] = p["temperature"], p["top_k"], p["top_p"]
         x["processed"][i] = p["processed"]
 
-    assert len(decoding) <= d and len(chunks) <= layout.prefill_rows, (len(decoding), len(chunks), layout)
+    if len(decoding) > d or len(chunks) > layout.prefill_rows:
+        raise RuntimeError(f"{len(decoding)} decode rows and {len(chunks)} chunks do not fit {layout}")
     for i, seq in enumerate(decoding):
         pos = seq.prompt_len + seq.planned - 1  # feeds output token planned-1 (on device in last[slot])
         page, off = _page_at(pool, seq, pos)
