@@ -85,9 +85,11 @@ def run_layers(graphdef, states, x, *, positions, segment_ids, token_mask, cache
         else:
             from models.paged import PagedLayer
 
-            kv = PagedLayer(ck[j], cv[j], cache_meta)
+            kv = PagedLayer(ck, cv, cache_meta, jnp.asarray(j, jnp.int32))  # the whole stacks: see PagedLayer
         h, kv, moe = fn(state, h, positions, segment_ids, kv, rid, replay_mask, token_mask)
-        if ck is not None:  # write this layer's slice back into the carried stack (in place)
+        if cache_meta is not None:  # the layer wrote into the stacks themselves
+            ck, cv = kv
+        elif ck is not None:  # write this layer's slice back into the carried stack (in place)
             ck = jax.lax.dynamic_update_index_in_dim(ck, kv[0], j, 0)
             cv = jax.lax.dynamic_update_index_in_dim(cv, kv[1], j, 0)
         return (h, ck, cv), moe

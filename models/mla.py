@@ -104,10 +104,11 @@ class MLAttention(nnx.Module):
         if not isinstance(kv, tuple):  # a page pool (models/paged.py): the same MQA over the latent pages
             from models import paged
 
-            c = paged.write(kv.k, c_kv[:, :, None, :], kv.meta, dt)
-            r = paged.write(kv.v, k_rot, kv.meta, dt)
+            c = paged.write(kv.k, c_kv[:, :, None, :], kv.meta, dt, kv.layer)
+            r = paged.write(kv.v, k_rot, kv.meta, dt, kv.layer)
             out_lat = paged.ragged_attention(jnp.concatenate([q_lat, q_rot], axis=-1), (c, r), c, positions, kv.meta,
-                                             scale=cfg.head_dim ** -0.5, dtype=dt, impl=cfg.attention_impl)
+                                             scale=cfg.head_dim ** -0.5, dtype=dt, impl=cfg.attention_impl,
+                                             layer=kv.layer)
             return jnp.einsum("bthr,rhv->bthv", out_lat, w_kv[..., nope:]), (c, r)
         rows = jnp.arange(q_nope.shape[0])[:, None]
         c = kv[0].at[rows, positions].set(c_kv[:, :, None, :].astype(kv[0].dtype))

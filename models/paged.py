@@ -105,12 +105,18 @@ class PagedCache:
 
 @struct.dataclass
 class PagedLayer:
-    """One layer's view inside the model: its pages ``k``, ``v`` [P, ps, Hc, Dc] and the step's meta.
-    Indexable like the ``(k, v)`` tuple of a contiguous cache (``kv[0]``, ``kv[1]``)."""
+    """One layer's view inside the model: its group's whole pools ``k``, ``v`` [n, P, ps, Hc, Dc], its
+    index ``layer`` in them ([] int32) and the step's meta. Indexable like the ``(k, v)`` tuple of a
+    contiguous cache (``kv[0]``, ``kv[1]``).
+
+    The layer writes into and gathers from the stacked pools at ``layer`` instead of slicing its
+    ``[P, ...]`` pages out and back: that slice is a copy of the layer's whole pool (XLA does not alias
+    it), three passes over the KV per layer per step whatever the tokens."""
 
     k: jax.Array
     v: jax.Array
     meta: PagedMeta
+    layer: jax.Array | None = None
 
     def __getitem__(self, i):
         return (self.k, self.v)[i]
@@ -130,20 +136,28 @@ def _loaded(x, dtype):
     return x.astype(dtype)
 
 
-def write(pages, new, meta: PagedMeta, dtype):
+def write(pages, new, meta: PagedMeta, dtype, layer=None):
     """Write ``new`` [1, N, Hc, Dc] (this step's keys or values, cache dtype ``dtype``) into ``pages``
-    [P, ps, Hc, Dc]."""
-    return pages.at[meta.page, meta.offset].set(_stored(new[0], pages, dtype))
+    [P, ps, Hc, Dc], or into layer ``layer`` of stacked pages [n, P, ps, Hc, Dc] (in place)."""
+    if layer is None:
+        return pages.at[meta.page, meta.offset].set(_stored(new[0], pages, dtype))
+    return pages.at[layer, meta.page, meta.offset].set(_stored(new[0], pages, dtype))
 
 
-def ragged_attention(q, keys, values, positions, meta: PagedMeta, *, scale: float, dtype, impl: str = "auto"):
+def ragged_attention(q, keys, values, positions, meta: PagedMeta, *, scale: float, dtype, impl: str = "auto",
+                     layer=None):
     """Attention of a step's queries over their rows' pages (the module docstring has the layout).
 
     q [1, N, H, Dq]; keys: a tuple of page arrays [P, ps, Hkv, d_i] whose gathers are concatenated on
     the last axis into the key (GQA: ``(k,)``; MLA's latent cache: ``(c_kv, k_rot)``); values [P, ps,
     Hkv, Dv]; positions [1, N]. Returns [1, N, H, Dv] in q's dtype. ``impl``: :data:`RAGGED_IMPLS` or a
-    full-sequence ``MoeConfig.attention_impl`` name (module docstring).
+    full-sequence ``MoeConfig.attention_impl`` name (module docstring). ``layer``: the pages are stacked
+    [n, P, ps, ...] and this is layer ``layer`` of them (gathered in place).
     """
+    if layer is not None:
+        one = tuple(k[layer] for k in keys), values[layer]  # unused (and dropped by XLA) on the XLA path
+        if _resolve(impl, q, *one, dtype) == "pallas":
+            (keys, values), layer = one, None  # the adapter re-lays the pages out anyway
     if _resolve(impl, q, keys, values, dtype) == "pallas":
         from models import ragged_tpu
 
@@ -154,12 +168,12 @@ def ragged_attention(q, keys, values, positions, meta: PagedMeta, *, scale: floa
     outs = []
     if d:
         outs.append(_paged_rows(q[:d][:, None], keys, values, pos[:d][:, None], meta.table[:d], meta.kv_len[:d],
-                                block_pages=lay.block_pages, scale=scale, dtype=dtype)[:, 0])
+                                block_pages=lay.block_pages, scale=scale, dtype=dtype, layer=layer)[:, 0])
     if p:
         t = lay.prefill_len
         qp = q[d:].reshape(p, t, *q.shape[1:])
         out = _paged_rows(qp, keys, values, pos[d:].reshape(p, t), meta.table[d:], meta.kv_len[d:],
-                          block_pages=lay.block_pages, scale=scale, dtype=dtype)
+                          block_pages=lay.block_pages, scale=scale, dtype=dtype, layer=layer)
         outs.append(out.reshape(p * t, *out.shape[2:]))
     return jnp.concatenate(outs, axis=0)[None] if len(outs) > 1 else outs[0][None]
 
@@ -192,22 +206,22 @@ def _resolve(impl: str, q, keys, values, dtype) -> str:
     return "pallas" if ragged_tpu.unsupported(q, keys, values, dtype) is None else "xla"
 
 
-def _paged_rows(q, keys, values, q_pos, table, kv_len, *, block_pages: int, scale: float, dtype):
+def _paged_rows(q, keys, values, q_pos, table, kv_len, *, block_pages: int, scale: float, dtype, layer=None):
     """Online-softmax attention of rows of queries over their page tables.
 
     q [R, T, H, Dq]; q_pos [R, T]; table [R, Pmax]; kv_len [R]. Key block i covers the row's pages
     ``[i * block_pages, (i + 1) * block_pages)``; the loop runs ``ceil(max(kv_len) / block)`` times.
-    Returns [R, T, H, Dv] in q's dtype."""
+    Returns [R, T, H, Dv] in q's dtype. ``layer``: the pages are stacked [n, P, ...]; read layer ``layer``."""
     r, t, h, dq = q.shape
-    hkv, dv = values.shape[2], values.shape[3]
+    hkv, dv = values.shape[-2], values.shape[-1]
     g = h // hkv
-    ps = values.shape[1]
+    ps = values.shape[-3]
     block = block_pages * ps
     qg = q.reshape(r, t, hkv, g, dq).astype(dtype)
     n_blocks = (jnp.max(kv_len) + block - 1) // block
 
-    def gather(pages, cols):  # pages [P, ps, Hkv, d] -> [R, block, Hkv, d]
-        x = pages[cols]  # [R, block_pages, ps, Hkv, d]
+    def gather(pages, cols):  # pages [P, ps, Hkv, d] (or [n, P, ...] at layer) -> [R, block, Hkv, d]
+        x = pages[cols] if layer is None else pages[layer, cols]  # [R, block_pages, ps, Hkv, d]
         return _loaded(x.reshape(r, block, *x.shape[3:]), dtype)
 
     def body(i, carry):
