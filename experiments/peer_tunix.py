@@ -8,7 +8,12 @@ in ``make test``. It gets the same jax / flax as ``.venv`` so both sides run the
     .venv-tunix/bin/python -m experiments.peer_tunix worker --hf-dir D --batch B --prompt-len P \\
         --new N --repeats R --out result.json
 
-Parent side: :func:`ensure_venv` and :func:`tunix_decode` (runs the worker in a subprocess).
+Parent side (any venv; needs only numpy): :func:`ensure_venv` and
+``tunix_decode(hf_dir, prompts [B, P], new, repeats, strict=True) -> {"tok_s", "tokens" [B, new], ...}``,
+which runs the worker in a subprocess. The checkpoint is loaded by Tunix's own
+``tunix.models.qwen3.params.create_model_from_safe_tensors`` (per-expert HF tensor names, as
+transformers' save_pretrained and models.hf.save_pretrained write them); greedy, exactly ``new``
+tokens (eos outside the vocab), no BOS added (see :class:`IdTokenizer`).
 """
 
 from __future__ import annotations
@@ -83,19 +88,35 @@ class IdTokenizer:
         return -1
 
 
-def tunix_config(hf: dict):
-    """Tunix's qwen3 ModelConfig for a Qwen3-MoE config.json dict; ValueError naming a field Tunix's
-    Qwen3 does not implement (it always renormalises top-k, applies RoPE with theta 1e6 and makes
-    every layer MoE when num_experts is set)."""
+def _rope_theta(hf: dict) -> float:
+    """rope theta of a config.json: 5.x ``rope_parameters``, else top level, else HF's default."""
+    return float((hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10_000.0)))
+
+
+def tunix_differences(hf: dict) -> dict:
+    """``{field: (value, what Tunix's Qwen3 computes)}`` for the fields of a Qwen3-MoE config.json that
+    Tunix's Qwen3 computes differently: it always renormalises top-k and applies RoPE with theta 1e6
+    (its apply_rope is called without the config's theta)."""
+    checks = [("norm_topk_prob", bool(hf.get("norm_topk_prob", False)), True),
+              ("rope_theta", _rope_theta(hf), 1_000_000.0)]
+    return {field: (value, want) for field, value, want in checks if value != want}
+
+
+def tunix_config(hf: dict, strict: bool = True):
+    """Tunix's qwen3 ModelConfig for a Qwen3-MoE config.json dict.
+
+    ValueError naming the field for what Tunix's Qwen3 cannot load (dense layers: it makes every layer
+    MoE when num_experts is set; attention bias) and, when strict, for what it computes differently
+    (:func:`tunix_differences`; strict=False builds it anyway: same shapes, another function, so
+    its throughput is comparable but its tokens are not).
+    """
     from tunix.models.qwen3 import model as qwen3
 
-    params = hf.get("rope_parameters") or {}
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
-    checks = [("norm_topk_prob", bool(hf.get("norm_topk_prob", False)), True),
-              ("rope_theta", theta, 1_000_000.0),
-              ("mlp_only_layers", list(hf.get("mlp_only_layers") or []), []),
+    checks = [("mlp_only_layers", list(hf.get("mlp_only_layers") or []), []),
               ("decoder_sparse_step", int(hf.get("decoder_sparse_step", 1) or 1), 1),
               ("attention_bias", bool(hf.get("attention_bias", False)), False)]
+    if strict:
+        checks += [(field, value, want) for field, (value, want) in tunix_differences(hf).items()]
     for field, value, want in checks:
         if value != want:
             raise ValueError(f"config.json {field}={value!r}: expected {want!r} (what Tunix's Qwen3 computes)")
@@ -103,18 +124,20 @@ def tunix_config(hf: dict):
     return qwen3.ModelConfig(
         num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"],
         hidden_dim=hf["moe_intermediate_size"], num_heads=hf["num_attention_heads"], head_dim=hf["head_dim"],
-        num_kv_heads=hf["num_key_value_heads"], rope_theta=int(theta), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        num_kv_heads=hf["num_key_value_heads"], rope_theta=int(_rope_theta(hf)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         use_tied_embedding=bool(hf.get("tie_word_embeddings", False)), num_experts=int(experts),
         num_experts_per_tok=int(hf["num_experts_per_tok"]),
         shd_config=qwen3.ShardingConfig.get_default_sharding(is_sampling=True))
 
 
-def worker(hf_dir: str, prompts, new: int, repeats: int) -> dict:
+def worker(hf_dir: str, prompts, new: int, repeats: int, strict: bool = True) -> dict:
     """Greedy decode of ``new`` tokens from prompts [B, P] with tunix.generate.sampler.Sampler on the
     checkpoint (loaded by tunix.models.qwen3.params.create_model_from_safe_tensors). A warm-up call
     compiles; tok_s = B * new / the best wall time of ``repeats`` calls (prefill included). Tunix's
     decode loop runs one step past the last token it keeps (new + 1 forward passes to our new), and
-    on CPU its MoE layer runs every expert on every token (its megablox path is TPU-only)."""
+    on CPU its MoE layer runs every expert on every token (its megablox path is TPU-only).
+    ``differs``: :func:`tunix_differences` of the checkpoint (empty when strict)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -125,7 +148,7 @@ def worker(hf_dir: str, prompts, new: int, repeats: int) -> dict:
     prompts = np.asarray(prompts, dtype=np.int32)
     batch, plen = prompts.shape
     hf = json.loads((Path(hf_dir) / "config.json").read_text())
-    cfg = tunix_config(hf)
+    cfg = tunix_config(hf, strict)
     t0 = time.perf_counter()
     model = qwen3_params.create_model_from_safe_tensors(str(hf_dir), cfg, dtype=jnp.float32)
     load_s = time.perf_counter() - t0
@@ -155,16 +178,19 @@ def worker(hf_dir: str, prompts, new: int, repeats: int) -> dict:
         times.append(dt)
         if not np.array_equal(again, tokens):
             raise RuntimeError("Tunix's greedy tokens changed between calls")
-    return {"tok_s": batch * new / min(times), "times_s": times, "first_call_s": first_s, "load_s": load_s,
-            "batch": batch, "prompt_len": plen, "new_tokens": new, "tokens": tokens.tolist(),
+    return {"tok_s": batch * new / min(times), "differs": tunix_differences(hf), "times_s": times,
+            "first_call_s": first_s, "load_s": load_s, "batch": batch, "prompt_len": plen, "new_tokens": new,
+            "tokens": tokens.tolist(),
             "tunix": getattr(tunix, "__version__", "unknown"), "jax": jax.__version__,
             "backend": jax.default_backend(), "devices": len(jax.devices())}
 
 
-def tunix_decode(hf_dir, prompts, new: int, repeats: int = 3, timeout_s: float = 1800) -> dict:
+def tunix_decode(hf_dir, prompts, new: int, repeats: int = 3, strict: bool = True,
+                 timeout_s: float = 1800) -> dict:
     """Run :func:`worker` in ``.venv-tunix`` (created on first use) on prompts [B, P]; returns the
     worker's dict with ``tokens`` as an int array [B, new] (and ``tok_s``, ``times_s``,
-    ``first_call_s``, ``load_s``, versions). The worker gets JAX_PLATFORMS=cpu and no XLA_FLAGS."""
+    ``first_call_s``, ``load_s``, ``differs``, versions). strict=False: also a checkpoint Tunix
+    computes differently (see :func:`tunix_config`). The worker gets JAX_PLATFORMS=cpu and no XLA_FLAGS."""
     import tempfile
 
     import numpy as np
@@ -179,6 +205,7 @@ def tunix_decode(hf_dir, prompts, new: int, repeats: int = 3, timeout_s: float =
         cmd = [str(py), "-m", "experiments.peer_tunix", "worker", "--hf-dir", str(hf_dir), "--batch",
                str(prompts.shape[0]), "--prompt-len", str(prompts.shape[1]), "--new", str(new), "--repeats",
                str(repeats), "--prompts", str(Path(d) / "prompts.npy"), "--out", str(out)]
+        cmd += [] if strict else ["--lenient"]
         run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
         if run.returncode:
             raise RuntimeError(f"Tunix worker failed (rc={run.returncode}):\n{run.stderr[-6000:]}")
@@ -200,6 +227,8 @@ def main(argv=None):
     w.add_argument("--prompts", help=".npy of int prompts [batch, prompt-len]; default: random (--seed)")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--out", required=True)
+    w.add_argument("--lenient", action="store_true", help="also run a checkpoint Tunix computes differently "
+                   "(rope theta, top-k renormalisation): throughput comparable, tokens not")
     args = ap.parse_args(argv)
     if args.cmd == "ensure":
         print(ensure_venv())
@@ -214,7 +243,7 @@ def main(argv=None):
     if prompts.shape != (args.batch, args.prompt_len):
         raise SystemExit(f"--prompts {args.prompts} has shape {prompts.shape}: expected "
                          f"{(args.batch, args.prompt_len)} (--batch, --prompt-len)")
-    result = worker(args.hf_dir, prompts, args.new, args.repeats)
+    result = worker(args.hf_dir, prompts, args.new, args.repeats, strict=not args.lenient)
     Path(args.out).write_text(json.dumps(result))
     print(json.dumps({k: v for k, v in result.items() if k != "tokens"}), flush=True)
 
