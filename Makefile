@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean bench skyrl-client scale-plan
+.PHONY: demo test venv clean bench skyrl-client scale-plan decode-bytes
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -59,6 +59,10 @@ $(TPU_STAMP): pyproject.toml
 
 scale-plan: $(TPU_STAMP)
 	$(TPU_VENV)/bin/python -m experiments.scale_plan $(SCALE_PLAN_ARGS)
+
+# Bytes the engine's decode step moves per TPU chip ÷ the bytes it must read (experiments/decode_bytes.py)
+decode-bytes: $(TPU_STAMP)
+	$(TPU_VENV)/bin/python -m experiments.decode_bytes $(DECODE_BYTES_ARGS)
 
 clean:
 	rm -rf $(VENV) $(TPU_VENV) runs

@@ -1,11 +1,18 @@
-"""Decode throughput of r3jax.engine vs Hugging Face transformers `generate` on the same weights,
-route-capture overhead, and prefill work over a multi-turn conversation with / without the prefix cache.
+"""Decode throughput of r3jax.engine vs Hugging Face transformers `generate` and Tunix's `Sampler` on
+the same weights, route-capture overhead, and prefill work over a multi-turn conversation with /
+without the prefix cache.
 
-    python -m experiments.bench_decode [--quick]
+    python -m experiments.bench_decode [--quick] [--no-tunix]
 
-All figures come from one run. Decode: prompts of 16 random tokens, greedy, a fixed number of new
-tokens (128; 32 with --quick; no stop token); tokens/s = B * new tokens / wall seconds of one
-generate call, prefill included, on both sides. Each figure is the best of its runs: ours with
+All figures come from one run. Decode at B = 1, 8, 32, 64 on tiny, small_100m and the peer config
+(experiments/peer_config.py: a Qwen3-MoE checkpoint made by transformers from random weights):
+prompts of 16 random tokens (the peer config: 32), greedy, a fixed number of new tokens (128, the
+peer config 64; 32 with --quick; no stop token); tokens/s = B * new tokens / wall seconds of one
+generate call, prefill included, on every side. Tunix (google-tunix 0.1.7, its Qwen3 MoE model
+loaded from the same safetensors files, in its own venv .venv-tunix that experiments/peer_tunix.py
+creates on first use) runs on the peer config only: it computes every layer as MoE with rope theta
+1e6 and renormalised top-k, which tiny (a dense first layer) and small_100m (theta 1e4) are not;
+its figure is the best of its runs after a compiling call, in a subprocess between ours. Each figure is the best of its runs: ours with
 capture on and off alternate, and HF's runs are spread between them, so load from other processes
 hits all three alike. "capture on" returns every route row (s = 0); "capture off" asks for none,
 so the engine runs its programs without the route-buffer writes. HF: the model exported with
@@ -36,12 +43,12 @@ from r3jax.engine import Engine, GenerateRequest
 PROMPT = 16
 
 
-def _prompts(cfg, batch, seed=0):
-    return np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, PROMPT))
+def _prompts(cfg, batch, seed=0, length=PROMPT):
+    return np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, length))
 
 
-def _engine(model, new, batches, impl):
-    return Engine(model, max_seq_len=PROMPT + new, max_batch_size=max(batches), prefix_cache_bytes=0,
+def _engine(model, new, batches, impl, prompt=PROMPT):
+    return Engine(model, max_seq_len=prompt + new, max_batch_size=max(batches), prefix_cache_bytes=0,
                   moe_impl=impl)
 
 
@@ -53,7 +60,7 @@ def _ours(engine, prompts, new, capture):
     dt = time.perf_counter() - t0
     assert all(len(o.output_ids) == new for o in outs)
     if capture:
-        assert all(o.routed_experts.shape[0] == PROMPT + new - 1 for o in outs)
+        assert all(o.routed_experts.shape[0] == prompts.shape[1] + new - 1 for o in outs)
     return dt, np.array([o.output_ids for o in outs])
 
 
@@ -67,7 +74,7 @@ def _hf(model, prompts, new, threads):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                              do_sample=False, pad_token_id=0)
         dt = time.perf_counter() - t0
-    return dt, out[:, PROMPT:].numpy()
+    return dt, out[:, prompts.shape[1]:].numpy()
 
 
 def _hf_threads(model, prompts) -> int:
@@ -79,12 +86,14 @@ def _hf_threads(model, prompts) -> int:
     return min(best, key=best.get)
 
 
-def _load_hf(model):
+def _load_hf(model, hf_dir=None):
     import torch
     import transformers
 
     from models.hf import save_pretrained
 
+    if hf_dir is not None:
+        return transformers.Qwen3MoeForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with tempfile.TemporaryDirectory() as d:
         save_pretrained(model, d)
         return transformers.Qwen3MoeForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
@@ -116,29 +125,41 @@ def bench_impls(name, model, batches, new, repeats):
     return rows
 
 
-def bench_vs_hf(name, model, impl, batches, new, repeats, hf_repeats, hf_model):
-    """Ours with capture on and off (alternating, ``repeats`` each) and HF (``hf_repeats``, spread
-    between ours) on the same prompts; every figure is the best of its runs."""
-    eng = _engine(model, new, batches, impl)
+def bench_vs_peers(name, model, impl, batches, new, repeats, hf_repeats, hf_model, *, prompt=PROMPT,
+                   tunix_dir=None):
+    """Ours with capture on and off (alternating, ``repeats`` each), HF (``hf_repeats``, spread between
+    ours) and, given ``tunix_dir`` (the checkpoint's directory), Tunix (one subprocess of its own
+    repeats, halfway through ours) on the same prompts; every figure is the best of its runs."""
+    eng = _engine(model, new, batches, impl, prompt)
     rows = []
     for b in batches:
-        prompts = _prompts(model.config, b)
+        prompts = _prompts(model.config, b, length=prompt)
         _ours(eng, prompts, 1, True), _ours(eng, prompts, 1, False)  # compile both programs
         threads = _hf_threads(hf_model, prompts)
         times, seqs = {"on": [], "off": [], "hf": []}, {}
         runs = {"on": lambda: _ours(eng, prompts, new, True), "off": lambda: _ours(eng, prompts, new, False),
                 "hf": lambda: _hf(hf_model, prompts, new, threads)}
         hf_at = set(np.linspace(0, repeats - 1, hf_repeats).round().astype(int).tolist())
+        tunix = None
         for r in range(repeats):
             for key in (("on", "off") if r % 2 == 0 else ("off", "on")) + (("hf",) if r in hf_at else ()):
                 dt, seqs[key] = runs[key]()
                 times[key].append(dt)
+            if tunix_dir is not None and r == repeats // 2:
+                from experiments.peer_tunix import tunix_decode
+
+                tunix = tunix_decode(tunix_dir, prompts, new, repeats=max(2, repeats // 2))
         on, off, hf = (b * new / min(times[k]) for k in ("on", "off", "hf"))
         ours, theirs = seqs["on"], seqs["hf"]
-        rows.append({"config": name, "moe_impl": impl, "B": b, "new_tokens": new, "repeats": repeats,
-                     "hf_repeats": len(times["hf"]), "hf_threads": threads, "ours_capture_on_tok_s": on,
-                     "ours_capture_off_tok_s": off, "capture_on_over_off": on / off, "hf_tok_s": hf,
-                     "ours_over_hf": on / hf, "hf_same_tokens": float(np.mean((ours == theirs).all(-1)))})
+        row = {"config": name, "moe_impl": impl, "B": b, "prompt_tokens": prompt, "new_tokens": new,
+               "repeats": repeats, "hf_repeats": len(times["hf"]), "hf_threads": threads,
+               "ours_capture_on_tok_s": on, "ours_capture_off_tok_s": off, "capture_on_over_off": on / off,
+               "hf_tok_s": hf, "ours_over_hf": on / hf, "hf_same_tokens": float(np.mean((ours == theirs).all(-1)))}
+        if tunix is not None:
+            row.update(tunix_tok_s=tunix["tok_s"], ours_over_tunix=on / tunix["tok_s"],
+                       tunix_repeats=len(tunix["times_s"]), tunix_compile_s=tunix["first_call_s"],
+                       tunix_same_tokens=float(np.mean((ours == tunix["tokens"]).all(-1))))
+        rows.append(row)
         print(rows[-1], flush=True)
     return rows
 
@@ -172,29 +193,37 @@ def bench_multiturn(turns, first=32, user=16, gen=16):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="32 new tokens, fewer repeats, small_100m at B<=8")
+    ap.add_argument("--quick", action="store_true", help="32 new tokens, fewer repeats")
+    ap.add_argument("--no-tunix", action="store_true", help="skip Tunix (no .venv-tunix is created)")
     args = ap.parse_args()
     new = 32 if args.quick else 128
+    batches = (1, 8, 32, 64)
     impl_rows, rows = [], []
-    for name in ("tiny", "small_100m"):
-        cfg = MoeConfig.preset(name)
-        model = MoeTransformer(cfg, rngs=nnx.Rngs(0))
-        batches = (1, 8) if args.quick and name == "small_100m" else (1, 8, 32)
-        tiny = name == "tiny"
-        repeats, hf_repeats = ((6, 2) if tiny else (2, 1)) if args.quick else ((12, 4) if tiny else (6, 2))
-        impl_rows += bench_impls(name, model, batches, 32, 3 if tiny else 2)
+    for name in ("tiny", "small_100m", "peer"):
+        if name == "peer":
+            from experiments.peer_config import peer_model
+
+            model, hf_dir = peer_model(seed=0)
+        else:
+            model, hf_dir = MoeTransformer(MoeConfig.preset(name), rngs=nnx.Rngs(0)), None
+        small = name == "tiny"
+        repeats, hf_repeats = ((6, 2) if small else (2, 1)) if args.quick else ((12, 4) if small else (6, 2))
+        impl_rows += bench_impls(name, model, batches[:3], 32, 3 if small else 2)
         best = {b: max((r for r in impl_rows if r["config"] == name and r["B"] == b), key=lambda r: r["tok_s"])
-                for b in batches}
+                for b in batches[:3]}
         impl = statistics.mode(r["moe_impl"] for r in best.values())  # one kernel per config
-        rows += bench_vs_hf(name, model, impl, batches, new, repeats, hf_repeats, _load_hf(model))
+        peer = name == "peer"
+        rows += bench_vs_peers(name, model, impl, batches, 32 if args.quick else (64 if peer else new), repeats,
+                               hf_repeats, _load_hf(model, hf_dir), prompt=32 if peer else PROMPT,
+                               tunix_dir=hf_dir if peer and not args.no_tunix else None)
     turn_rows, same = bench_multiturn(8 if args.quick else 16)
 
     print("\n## Expert kernel inside the engine (decode tok/s, capture on)")
     print(table(impl_rows, ["config", "moe_impl", "B", "new_tokens", "tok_s"]))
-    print("\n## Decode vs Hugging Face transformers generate (same weights, greedy)")
-    print(table(rows, ["config", "moe_impl", "B", "new_tokens", "ours_capture_on_tok_s",
-                       "ours_capture_off_tok_s", "capture_on_over_off", "hf_tok_s", "hf_threads",
-                       "ours_over_hf", "hf_same_tokens"]))
+    print("\n## Decode vs Hugging Face transformers generate and Tunix's Sampler (same weights, greedy)")
+    print(table(rows, ["config", "moe_impl", "B", "prompt_tokens", "new_tokens", "ours_capture_on_tok_s",
+                       "ours_capture_off_tok_s", "capture_on_over_off", "hf_tok_s", "hf_threads", "ours_over_hf",
+                       "hf_same_tokens", "tunix_tok_s", "ours_over_tunix", "tunix_same_tokens"]))
     print("\n## Multi-turn prefill work (tiny; 32-token first prompt, +16 user and +16 generated per turn)")
     print(table(turn_rows, ["turn", "prompt_tokens", "cached_tokens", "prefill_tokens_with_cache",
                             "prefill_tokens_without_cache"]))

@@ -120,15 +120,23 @@ async def run_agents(url: str, kinds: list[tuple[int, int, int]]) -> dict:
     """kinds: (count, turns, gen or None) per kind of agent; all run concurrently."""
     limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
     async with httpx.AsyncClient(limits=limits) as client:
-        jobs, seed = [], 0
-        for count, turns, gen in kinds:
-            for _ in range(count):
-                jobs.append(agent(client, url, seed, turns, gen))
-                seed += 1
+        jobs, seed, done = [], 0, {}
         t0 = time.perf_counter()
+
+        async def timed(kind, job):
+            n = await job
+            done.setdefault(kind, []).append(time.perf_counter() - t0)
+            return n
+
+        for kind, (count, turns, gen) in enumerate(kinds):
+            for _ in range(count):
+                jobs.append(timed(kind, agent(client, url, seed, turns, gen)))
+                seed += 1
         tokens = sum(await asyncio.gather(*jobs))
         wall = time.perf_counter() - t0
-    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall}
+    # mean seconds from the start to each agent's last answer, per kind (kinds[0] first)
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
+            "completion_s": [float(np.mean(done[k])) for k in range(len(kinds))]}
 
 
 def bench_agents(quick: bool) -> tuple[list[dict], dict]:
@@ -158,6 +166,10 @@ def bench_agents(quick: bool) -> tuple[list[dict], dict]:
         "static_over_continuous_wall": get("static", "mix")["wall_s"] / get("continuous", "mix")["wall_s"],
         "mix_over_long_alone_continuous": get("continuous", "mix")["wall_s"] / get("continuous", "long only")["wall_s"],
         "mix_over_long_alone_static": get("static", "mix")["wall_s"] / get("static", "long only")["wall_s"]}
+    for m in ("continuous", "static"):  # the mixed agents (mostly short turns) ÷ the long sessions, in the mix
+        long_s, short_s = get(m, "mix")["completion_s"]
+        summary[f"mix_short_over_long_{m}"] = short_s / long_s
+        summary[f"long_in_mix_over_alone_{m}"] = long_s / get(m, "long only")["completion_s"][0]
     return rows, {**summary, "warmup": warm}
 
 
@@ -289,6 +301,9 @@ def main():
     print(f"\ncontinuous / static tokens/s (mix): {agents['continuous_over_static_tok_s']:.2f}x (goal >= 3)")
     print(f"mix / long agents alone (wall): continuous {agents['mix_over_long_alone_continuous']:.2f}x "
           f"(goal <= 1.3), static {agents['mix_over_long_alone_static']:.2f}x")
+    for m in ("continuous", "static"):
+        print(f"{m}: mixed agents / long sessions completion in the mix {agents[f'mix_short_over_long_{m}']:.2f} "
+              f"(goal <= 0.5); long sessions in the mix / alone {agents[f'long_in_mix_over_alone_{m}']:.2f} (goal <= 2)")
     for mode, w in agents["warmup"].items():
         print(f"{mode} server: {w.get('programs')} programs, warm-up {w.get('seconds', 0):.1f} s, ready after "
               f"{w['ready_s']:.1f} s, compiled after warm-up: {w.get('compiled_after_warmup')}")

@@ -9,7 +9,9 @@ and cached pages would count as pages in use), greedy, routes captured, the same
 1. **Compilation.** Programs compiled by ``warmup()`` and its cold seconds (this process has no
    persistent cache). With a compilation cache (``--compilation-cache DIR``; a fresh temporary one by
    default outside ``--quick``), the paged engine's warm-up runs in a fresh subprocess twice: cold (empty
-   cache), then restart (the same cache). Goals: <= 12 programs, cold <= 30 s, restart <= 5 s.
+   cache), then restart (the same cache), each first timing the trace / lower / compile phases of every
+   program (``cold_compile_s``: XLA compiling; ``restart_compile_s``: loading from the cache), and again
+   with ``decode_buckets=1``. Goals: <= 12 programs, cold <= 30 s, restart <= 5 s.
 2. **Time to first token** of short requests (8-token prompt, 8 new tokens) submitted while long
    prompts (400 tokens) prefill: p50 / p99 of the engine's own submit -> first token seconds, of the
    short requests only.
@@ -53,9 +55,9 @@ SHORT_P, SHORT_G, LONG_P, LONG_G = 8, 8, 400, 96
 CHECK_FIRST = 4  # greedy outputs asserted equal on this many requests of each workload
 
 
-def build(kind: str, model):
+def build(kind: str, model, **paged):
     common = dict(max_seq_len=MAX_SEQ, max_batch_size=BATCH, prefix_cache_bytes=0, seed=0)
-    return Engine(model, **common) if kind == "paged" else SlotEngine(model, **common)
+    return Engine(model, **common, **paged) if kind == "paged" else SlotEngine(model, **common)
 
 
 def request(rng, prompt: int, gen: int, vocab: int) -> GenerateRequest:
@@ -164,22 +166,47 @@ def compare(a: dict, b: dict, name: str) -> dict:
     return {"equal": int(sum(same)), "of": len(same)}
 
 
-def warmup_child() -> None:
+def warmup_child(decode_buckets: int) -> None:
     """Subprocess mode: build the paged engine, warm it up, print the result as one JSON line."""
     t0 = time.perf_counter()
-    eng = build("paged", MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0)))
+    eng = build("paged", MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0)), decode_buckets=decode_buckets)
+    phases = program_phases(eng)
     w = eng.warmup()
     eng.close()
-    print(json.dumps({**w, "process_s": time.perf_counter() - t0}))
+    print(json.dumps({**w, "process_s": time.perf_counter() - t0, "phases": phases}))
 
 
-def restart_warmup(cache: str) -> dict:
-    """Cold then restart warm-up of the paged engine, each in a fresh process on the persistent cache."""
+def program_phases(eng) -> dict:
+    """Seconds of tracing, lowering and compiling (or loading from the persistent cache) each of the
+    engine's step programs, as ``warmup()`` does them, summed; done before ``warmup()``, which then
+    finds each program in the persistent cache."""
+    import jax
+
+    out = {"trace_s": 0.0, "lower_s": 0.0, "compile_s": 0.0}
+    for lay in eng.layouts():
+        fn, kw = eng._build_step(lay)
+        t0 = time.perf_counter()
+        traced = jax.jit(fn, **kw).trace(*eng._step_args(eng._abstract_inputs(lay)))
+        t1 = time.perf_counter()
+        lowered = traced.lower()
+        t2 = time.perf_counter()
+        lowered.compile()
+        t3 = time.perf_counter()
+        for key, dt in (("trace_s", t1 - t0), ("lower_s", t2 - t1), ("compile_s", t3 - t2)):
+            out[key] += dt
+    return out
+
+
+def restart_warmup(cache: str, decode_buckets: int = 3) -> dict:
+    """Cold then restart warm-up of the paged engine, each in a fresh process on the persistent cache
+    (a directory of its own per ``decode_buckets``, so the first run is cold)."""
+    cache = os.path.join(cache, f"decode-buckets-{decode_buckets}")
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     out = {}
     for name in ("cold", "restart"):
-        p = subprocess.run([sys.executable, "-m", "experiments.bench_paged", "--warmup-child"], env=env,
+        p = subprocess.run([sys.executable, "-m", "experiments.bench_paged", "--warmup-child",
+                            "--decode-buckets", str(decode_buckets)], env=env,
                            capture_output=True, text=True, timeout=600)
         if p.returncode:
             raise RuntimeError(f"warm-up subprocess ({name}) failed:\n{p.stderr[-4000:]}")
@@ -195,9 +222,10 @@ def main() -> None:
                          "with --quick the subprocess warm-ups run only when this is given)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--warmup-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--decode-buckets", type=int, default=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.warmup_child:
-        return warmup_child()
+        return warmup_child(args.decode_buckets)
 
     cfg = MoeConfig.tiny()
     model = MoeTransformer(cfg, rngs=nnx.Rngs(0))
@@ -227,6 +255,8 @@ def main() -> None:
             results[kind] = r
         cache = args.compilation_cache or (None if args.quick else tempfile.mkdtemp(prefix="r3jax-bench-paged-cache-"))
         restart = restart_warmup(cache) if cache else None
+        # the same with one decode bucket (Engine(decode_buckets=1): 3 programs, every step padded to B rows)
+        restart_one = restart_warmup(cache, decode_buckets=1) if cache else None
         bar.update(2)
 
     equal = {name: compare(results["paged"][name], results["slot"][name], name) for name in ("ttft", "mix", "long_alone")}
@@ -257,8 +287,16 @@ def main() -> None:
              / mean_of(r["long_alone"]["rows"], {"long_prompt", "long_gen"})}
         summary[kind] = s
     if restart:
-        summary["paged"]["subprocess_cold_warmup_s"] = restart["cold"]["seconds"]
+        # cold: the phases' seconds (the warm-up after them finds every program in the cache)
+        cold_s = lambda r: sum(r["cold"]["phases"].values())
+        summary["paged"]["subprocess_cold_warmup_s"] = cold_s(restart)
         summary["paged"]["restart_warmup_s"] = restart["restart"]["seconds"]
+        for when in ("cold", "restart"):  # where the seconds go (module docstring)
+            for phase, sec in restart[when]["phases"].items():
+                summary["paged"][f"{when}_{phase}"] = sec
+        summary["paged"]["one_decode_bucket_programs"] = restart_one["cold"]["programs"]
+        summary["paged"]["one_decode_bucket_cold_warmup_s"] = cold_s(restart_one)
+        summary["paged"]["one_decode_bucket_restart_warmup_s"] = restart_one["restart"]["seconds"]
 
     print()
     metrics = [k for k in summary["paged"]]
@@ -268,8 +306,10 @@ def main() -> None:
           f"{peak['pages_in_use']} pages in use of {results['paged']['stats']['pages_total']}): "
           f"paged {paged_per_tok:.0f} B, slot {slot_per_tok:.0f} B, paged ÷ slot {memory['paged_over_slot']:.3f}")
     if restart:
-        print(f"paged warm-up in a fresh process: cold {restart['cold']['seconds']:.1f} s "
-              f"({restart['cold']['programs']} programs), restart on the cache {restart['restart']['seconds']:.1f} s")
+        print(f"paged warm-up in a fresh process: cold {sum(restart['cold']['phases'].values()):.1f} s "
+              f"({restart['cold']['programs']} programs), restart on the cache {restart['restart']['seconds']:.1f} s; "
+              f"decode_buckets=1: cold {sum(restart_one['cold']['phases'].values()):.1f} s ({restart_one['cold']['programs']} "
+              f"programs), restart {restart_one['restart']['seconds']:.1f} s")
     print(f"greedy outputs equal: {equal}")
     for r in results.values():  # output ids are long and the per-request rows repeat the summary
         for w in ("ttft", "mix", "long_alone"):
@@ -277,6 +317,7 @@ def main() -> None:
                 x.pop("output_ids")
     path = write_json("bench_paged", {"quick": args.quick, "max_seq_len": MAX_SEQ, "max_batch_size": BATCH,
                                       "summary": summary, "memory": memory, "restart_warmup": restart,
+                                      "restart_warmup_one_decode_bucket": restart_one,
                                       "greedy_equal": equal, "runs": results,
                                       "goals": {"programs": 12, "cold_warmup_s": 30, "restart_warmup_s": 5}})
     print(f"wrote {path}")

@@ -217,9 +217,17 @@ def bench_paged(d: dict) -> str:
             f"{m['paged_bytes_per_live_token']:.0f} B ({m['pages_in_use']} pages of {m['page_bytes']} B in use) "
             f"against {m['slot_bytes_per_live_token']:.0f} B reserved by the slot engine: "
             f"**{m['paged_over_slot']:.2f}×**.")
-    if r:
-        out += (f" Warm-up of the paged engine in a fresh process: cold {r['cold']['seconds']:.1f} s, restart on the "
-                f"persistent compilation cache {r['restart']['seconds']:.1f} s.")
+    if r and "phases" in r.get("cold", {}):
+        one = d.get("restart_warmup_one_decode_bucket") or {}
+        c, w = r["cold"]["phases"], r["restart"]["phases"]
+        out += (f"\n\nWarm-up of the paged engine in a fresh process ({r['cold']['programs']} programs): cold "
+                f"{sum(c.values()):.1f} s = trace {c['trace_s']:.1f} + lower {c['lower_s']:.1f} + XLA compile "
+                f"{c['compile_s']:.1f} s; restart on the persistent compilation cache {r['restart']['seconds']:.1f} s "
+                f"(trace {w['trace_s']:.1f} + lower {w['lower_s']:.1f} + load {w['compile_s']:.1f} s).")
+        if one:
+            out += (f" With `Engine(decode_buckets=1)` ({one['cold']['programs']} programs, every step padded to "
+                    f"{d['max_batch_size']} decode rows): cold {sum(one['cold']['phases'].values()):.1f} s, restart "
+                    f"{one['restart']['seconds']:.1f} s.")
     if eq:
         out += " Greedy outputs equal between the engines: " + ", ".join(
             f"{k} {v['equal']}/{v['of']}" for k, v in eq.items()) + "."

@@ -66,6 +66,9 @@ class Engine:
         more steps).
       prefill_rows: most prefill rows per step (default 4); or give ``max_num_batched_tokens`` (tokens
         per step: ``max_batch_size`` decode rows + ``prefill_rows * prefill_chunk``).
+      decode_buckets: how many decode-row sizes get a program: B, B/2, B/4, ... (default 3). Each is
+        3 programs (prefill rows 0, 1, prefill_rows); 1 compiles a third of them (faster warm-up) and
+        pads every step to B decode rows.
       dtype: compute dtype override (e.g. bf16 rollouts of an fp32 model); None keeps the model's.
       moe_impl: expert kernel; None picks "gather" on CPU and keeps the model's elsewhere.
       max_stop_tokens: most stop token ids per request.
@@ -77,12 +80,14 @@ class Engine:
 
     def __init__(self, model: MoeTransformer, *, max_seq_len: int, max_batch_size: int, num_pages: int | None = None,
                  prefix_cache_bytes: int = 64 << 20, block_size: int = 16, prefill_chunk: int = 64,
-                 prefill_rows: int | None = None, max_num_batched_tokens: int | None = None, dtype=None,
+                 prefill_rows: int | None = None, max_num_batched_tokens: int | None = None, decode_buckets: int = 3,
+                 dtype=None,
                  moe_impl: str | None = None, max_stop_tokens: int = 64, mesh=None, static: bool = False,
                  seed: int | None = None, allow_replication: bool = False):
         for name, value, lo in [("max_seq_len", max_seq_len, 2), ("max_batch_size", max_batch_size, 1),
                                 ("prefix_cache_bytes", prefix_cache_bytes, 0), ("block_size", block_size, 1),
-                                ("prefill_chunk", prefill_chunk, 1), ("max_stop_tokens", max_stop_tokens, 1)]:
+                                ("prefill_chunk", prefill_chunk, 1), ("max_stop_tokens", max_stop_tokens, 1),
+                                ("decode_buckets", decode_buckets, 1)]:
             _check(name, value, lo)
         if prefill_rows is not None and max_num_batched_tokens is not None:
             raise FieldError("max_num_batched_tokens", max_num_batched_tokens, "None when prefill_rows is given",
@@ -124,8 +129,8 @@ class Engine:
         block_pages = max(1, BLOCK_TOKENS // block_size)
         self._pages_per_row = round_up(-(-max_seq_len // block_size), block_pages)
         self._block_pages = min(block_pages, self._pages_per_row)
-        # program buckets: decode rows B/4, B/2, B (>= 1) x prefill rows 0, 1, prefill_rows
-        self._decode_buckets = sorted({max(1, max_batch_size >> i) for i in range(3)})
+        # program buckets: decode rows B, B/2, B/4, ... (>= 1; decode_buckets of them) x prefill rows 0, 1, prefill_rows
+        self._decode_buckets = sorted({max(1, max_batch_size >> i) for i in range(decode_buckets)})
         self._prefill_buckets = sorted({0, 1, prefill_rows})
         self._head_only = callable(getattr(model, "logits", None))
 

@@ -2,7 +2,7 @@
 
     python -m r3jax serve --model tiny --host 127.0.0.1 --port 8000 [--api-key KEY]
         [--max-batch-size 32] [--max-seq-len 256] [--seed 0] [--config PRESET|HF_DIR]
-        [--block-size 16] [--prefill-chunk 64] [--max-num-batched-tokens N] [--num-pages N]
+        [--block-size 16] [--prefill-chunk 64] [--max-num-batched-tokens N] [--num-pages N] [--decode-buckets 3]
         [--tensor-parallel-size T] [--data-parallel-size D] [--enable-expert-parallel]
         [--mesh DATA,TENSOR,EXPERT]
         [--compilation-cache DIR] [--static] [--tokenizer auto|byte|none|FILE] [--served-model-name NAME]
@@ -79,6 +79,9 @@ def parse_args(argv: list[str], devices=None) -> argparse.Namespace:
                           f"--max-batch-size + {ENGINE_DEFAULT_PREFILL_ROWS} x --prefill-chunk)")
     eng.add_argument("--num-pages", type=int, default=None,
                      help="pages in the pool (default: --max-batch-size full sequences + --prefix-cache-mb)")
+    eng.add_argument("--decode-buckets", type=int, default=3,
+                     help="decode-row sizes with a program: B, B/2, B/4, ... (1: a third of the programs, so a "
+                          "faster warm-up, every step padded to --max-batch-size rows)")
     par = ap.add_argument_group("devices", "the (data, tensor, expert) mesh: --mesh, or vLLM's flags (not both)")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                      help="devices along tensor (attention heads, MLP and expert hidden dims)")
@@ -178,7 +181,8 @@ def build_engine(args: argparse.Namespace):
     return Engine(model, max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
                   prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)), block_size=args.block_size,
                   prefill_chunk=args.prefill_chunk, max_num_batched_tokens=args.max_num_batched_tokens,
-                  num_pages=args.num_pages, mesh=build_mesh(args.mesh_shape), static=args.static)
+                  num_pages=args.num_pages, decode_buckets=args.decode_buckets, mesh=build_mesh(args.mesh_shape),
+                  static=args.static)
 
 
 def build_mesh(shape: tuple[int, int, int], devices=None):

@@ -6,6 +6,7 @@ import logging
 
 import jax
 import numpy as np
+import pytest
 
 from models import MoeConfig
 
@@ -75,3 +76,21 @@ def test_no_program_compiles_after_warmup_over_1000_varied_requests(engine):
     assert engine.stats["prefix_cache_evictions"] > evictions_before  # and evictions
     assert log.compiled == []
     assert engine.stats["compiled_programs"] == programs
+
+
+def test_decode_buckets_sets_the_program_set(tiny_model):
+    """decode_buckets=1: one decode-row size (B), so 3 programs instead of 9; 0 is refused by name."""
+    from r3jax.engine import Engine
+    from r3jax.checks import FieldError
+
+    kw = dict(max_seq_len=64, max_batch_size=8, num_pages=25, prefix_cache_bytes=0)
+    three, one = Engine(tiny_model, **kw), Engine(tiny_model, decode_buckets=1, **kw)
+    try:
+        assert sorted({lay.decode_rows for lay in three.layouts()}) == [2, 4, 8]
+        assert [(lay.decode_rows, lay.prefill_rows) for lay in one.layouts()] == [(8, 0), (8, 1), (8, 4)]
+        assert one.layout(1, 0).decode_rows == 8
+    finally:
+        three.close(), one.close()
+    with pytest.raises(FieldError, match="decode_buckets") as e:
+        Engine(tiny_model, decode_buckets=0, **kw)
+    assert e.value.field == "decode_buckets" and e.value.value == 0
