@@ -111,8 +111,11 @@ def bench_model(d: dict) -> str:
 
 def bench_decode(d: dict) -> str:
     rows = _same_tokens_only(d["decode"], "ours_over_hf")
-    return (_t(rows, ["config", "moe_impl", "B", "ours_capture_on_tok_s", "ours_capture_off_tok_s",
-                      "capture_on_over_off", "hf_tok_s", "ours_over_hf", "hf_same_tokens"])
+    rows = [_same_tokens_only([r], "ours_over_tunix", "tunix_same_tokens")[0] if "tunix_tok_s" in r else
+            {**r, "tunix_tok_s": None, "ours_over_tunix": None} for r in rows]
+    return (_t(rows, ["config", "moe_impl", "B", "prompt_tokens", "new_tokens", "ours_capture_on_tok_s",
+                      "ours_capture_off_tok_s", "capture_on_over_off", "hf_tok_s", "ours_over_hf", "hf_same_tokens",
+                      "tunix_tok_s", "ours_over_tunix"])
             + "\n\nExpert kernels inside the engine (tokens/s):\n\n"
             + _t(d["kernels"], ["config", "moe_impl", "B", "tok_s"])
             + "\n\nPrefix cache over a growing conversation (cumulative prefill tokens):\n\n"
@@ -129,11 +132,35 @@ def bench_engine(d: dict) -> str:
               "value": ip["programs_compiled_after_warmup"]},
              {"measure": "warm-up in process: programs / s",
               "value": f"{ip['in_process_warmup']['programs']} / {ip['in_process_warmup']['seconds']:.3g}"}]
-    return (_t(d["agents"], ["server", "workload", "wall_s", "tokens", "tok_s", "decode_calls", "mean_live_slots"])
-            + "\n\n" + table(facts, ["measure", "value"]) + "\n\nDecode against Hugging Face `generate` on the "
-            "same weights:\n\n" + _t(_same_tokens_only(d["decode"], "ours_over_hf"),
-                                     ["config", "moe_impl", "B", "new_tokens", "ours_tok_s", "hf_tok_s",
-                                      "ours_over_hf", "hf_same_tokens"]))
+    a = d.get("agents_summary", {})
+    for m in ("continuous", "static"):
+        if f"mix_short_over_long_{m}" in a:
+            facts.insert(0, {"measure": f"{m}: mixed agents ÷ long sessions, completion in the mix (goal ≤ 0.5) / "
+                                        "long sessions in the mix ÷ alone (goal ≤ 2)",
+                             "value": f"{a[f'mix_short_over_long_{m}']:.3g} / {a[f'long_in_mix_over_alone_{m}']:.3g}"})
+    for m, w in a.get("warmup", {}).items():
+        facts.append({"measure": f"{m} server: programs / ready after, s (cold persistent cache for the first)",
+                      "value": f"{w.get('programs')} / {w['ready_s']:.3g}"})
+    out = (_t(d["agents"], ["server", "workload", "wall_s", "tokens", "tok_s", "decode_calls", "mean_live_slots"])
+           + "\n\n" + table(facts, ["measure", "value"]))
+    if d.get("decode"):
+        out += ("\n\nDecode against Hugging Face `generate` on the same weights:\n\n"
+                + _t(_same_tokens_only(d["decode"], "ours_over_hf"), ["config", "moe_impl", "B", "new_tokens",
+                                                                     "ours_tok_s", "hf_tok_s", "ours_over_hf",
+                                                                     "hf_same_tokens"]))
+    return out
+
+
+def decode_bytes(d: dict) -> str:
+    return _t(d["rows"], ["model", "layers", "topology", "attention", "params_mib", "kv_cache_mib", "must_read_mib",
+                          "accessed_mib", "accessed_over_must_read", "status"])
+
+
+def bench_weight_sync(d: dict) -> str:
+    rows = d.get("rows", [])
+    cols = [c for c in ["config", "path", "GB", "seconds", "s_per_GB", "export_s", "post_s"]
+            if any(c in r for r in rows)]
+    return _t(rows, cols)
 
 
 def bench_trace(d: dict) -> str:
@@ -283,6 +310,16 @@ SECTIONS = [
             "request per device step where the slot engine decodes 8 per call, a likely cause not yet measured "
             "apart.",
             bench_paged),
+    Section("decode_bytes", "Decode step bytes on a TPU chip", "make decode-bytes",
+            "libtpu compiles the engine's decode step (64 requests × 2048-token page tables, every page live) for "
+            "v5p:2x2x1 on this CPU host; `must_read`: the parameters a chip holds + its share of the KV pool, "
+            "which a decode step must read once; `accessed`: XLA's bytes-accessed estimate of the compiled "
+            "program per chip. XLA counts a while loop's body once and a Pallas kernel's own reads not at all, "
+            "so the models are compiled with their layers unrolled and only 2 of them (the preset's shapes "
+            "otherwise); `auto` is the Pallas ragged paged attention kernel (its figure is what runs outside "
+            "the kernel: the adapter re-lays the k and v pages out into the kernel's combined layout, a copy of "
+            "the pool per layer per step), `xla` our gather-over-pages loop (its loop over key blocks counted "
+            "once: a lower bound).", decode_bytes),
     Section("bench_trace", "Routes, trace, batches", "python -m experiments.bench_trace",
             "Append + finalize of a `RoutedExpertTrace` (Qwen3-30B-A3B route shape) against re-concatenating the "
             "whole prefix every turn; bytes per route row in each wire form; padded against packed batches.",
