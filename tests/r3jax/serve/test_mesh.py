@@ -80,6 +80,38 @@ def test_stats_report_the_mesh(servers):
     assert moe.addressable_shards[0].data.shape == (moe.shape[0], 2, moe.shape[2], moe.shape[3] // 2)
 
 
+def test_weight_push_to_the_mesh_server_matches_one_device(servers, tmp_path):
+    """``POST /v1/weights`` (orbax, then safetensors back) to both servers: the mesh engine places the
+    pushed weights on its mesh (its shardings unchanged) and still answers like one device."""
+    from models.hf import save_pretrained
+    from models.weights import WEIGHTS
+    from r3jax.train import export_params
+
+    one_url, mesh_url, engine = servers
+    model = MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0))  # the served weights (same seed)
+    flipped = jax.tree.map(lambda x: -np.asarray(x), nnx.state(model, WEIGHTS))
+    orbax = export_params(tmp_path / "orbax", flipped)
+    save_pretrained(model, tmp_path / "hf")
+    shardings = [x.sharding for x in jax.tree.leaves(engine._params)]
+    reqs = requests()[:3]
+    with RemoteInferenceClient([one_url]) as a, RemoteInferenceClient([mesh_url]) as b:
+        [before] = b.generate(reqs[:1])
+        for path, fmt in ((orbax, "orbax"), (tmp_path / "hf", "safetensors")):
+            v = engine.weight_version
+            assert a.update_weights(str(path), fmt) == [v + 1] and b.update_weights(str(path), fmt) == [v + 1]
+            assert [x.sharding for x in jax.tree.leaves(engine._params)] == shardings
+            for x, y in zip(a.generate(reqs), b.generate(reqs)):
+                assert y.output_ids == x.output_ids and y.weight_version == x.weight_version == v + 1
+                np.testing.assert_allclose(y.logprobs, x.logprobs, rtol=0, atol=1e-5)
+                np.testing.assert_array_equal(y.routed_experts, x.routed_experts)
+            if fmt == "orbax":  # other weights: other experts chosen
+                [changed] = b.generate(reqs[:1])
+                assert not np.array_equal(changed.routed_experts, before.routed_experts)
+        [after] = b.generate(reqs[:1])
+    assert after.output_ids == before.output_ids  # the original weights back
+    np.testing.assert_array_equal(after.routed_experts, before.routed_experts)
+
+
 def test_mesh_flags_give_the_mesh_shape():
     devices = jax.devices()
     shape = lambda argv: parse_args(argv, devices=devices).mesh_shape
