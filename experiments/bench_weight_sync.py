@@ -39,7 +39,6 @@ from pathlib import Path  # noqa: E402
 
 import httpx  # noqa: E402
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
