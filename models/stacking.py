@@ -58,14 +58,15 @@ def _layer_entry(layers: Mapping, i: int):
     raise KeyError(f"layers has no entry for layer {i}: expected the unrolled layout (layers/{{i}})")
 
 
-def stack_layers(tree: Mapping, cfg: MoeConfig) -> dict:
+def stack_layers(tree: Mapping, cfg: MoeConfig, *, stack=jnp.stack) -> dict:
     """Unrolled nested dict (``layers/{i}/...``) -> scanned (``dense_layers``/``moe_layers`` with a
-    leading layer axis). Other top-level entries are kept as they are."""
+    leading layer axis). Other top-level entries are kept as they are. ``stack``: ``np.stack`` keeps
+    host arrays on the host (a checkpoint read for a weight push)."""
     if "layers" not in tree:
         raise KeyError("tree has no 'layers' entry: expected the unrolled layout (layers/{i})")
     out = {k: v for k, v in tree.items() if k != "layers"}
     for name, ids in layer_groups(cfg):
-        out[name] = jax.tree.map(lambda *xs: jnp.stack(xs), *[_layer_entry(tree["layers"], i) for i in ids])
+        out[name] = jax.tree.map(lambda *xs: stack(xs), *[_layer_entry(tree["layers"], i) for i in ids])
     return out
 
 

@@ -17,6 +17,7 @@ import pathlib
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -78,21 +79,43 @@ def load_params(path, model: nnx.Module) -> nnx.Module:
     offending parameter). Errors reading the arrays themselves (I/O, corrupt data) propagate.
     """
     path = pathlib.Path(path).absolute()
-    if not path.is_dir():
-        raise ValueError(f"path={str(path)!r}: expected an orbax params directory written by export_params")
     current = nnx.state(model, WEIGHTS)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), current)
     target = tree_io.to_nested(abstract)
     with ocp.StandardCheckpointer() as ckpt:
-        item = ckpt.metadata(path).item_metadata
-        stored = None if item is None else getattr(item, "tree", None)
-        if not isinstance(stored, dict):
-            raise ValueError(f"path={str(path)!r}: expected an orbax params directory written by "
-                             "export_params (no readable orbax item metadata there)")
-        _check_same_params(path, _shapes(target), _shapes(stored))
+        _check_stored(ckpt, path, target)
         nested = ckpt.restore(path, target)
     nnx.update(model, tree_io.from_nested(nested, current))
     return model
+
+
+def read_weights(path, abstract: nnx.State) -> nnx.State:
+    """The weights in a directory written by :func:`export_params`, as host numpy arrays in the
+    structure of ``abstract`` (an ``nnx.State`` of ``jax.ShapeDtypeStruct``, e.g. from
+    ``nnx.eval_shape``: nothing is allocated for it) and cast to its dtypes. Nothing is put on a
+    device: the caller places them (``Engine.set_weights``). Raises ValueError like
+    :func:`load_params`, before any array is read."""
+    path = pathlib.Path(path).absolute()
+    target = tree_io.to_nested(abstract)
+    with ocp.StandardCheckpointer() as ckpt:
+        _check_stored(ckpt, path, target)
+    args = jax.tree.map(lambda s: ocp.RestoreArgs(restore_type=np.ndarray, dtype=s.dtype), target)
+    with ocp.PyTreeCheckpointer() as ckpt:  # per-leaf restore args: numpy, no sharding to give
+        nested = ckpt.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=args))
+    return tree_io.from_nested(nested, abstract)
+
+
+def _check_stored(ckpt: ocp.StandardCheckpointer, path: pathlib.Path, target: dict) -> None:
+    """Host-side, before any array is read: ``path`` is a params directory holding exactly
+    ``target``'s params, with the same shapes."""
+    if not path.is_dir():
+        raise ValueError(f"path={str(path)!r}: expected an orbax params directory written by export_params")
+    item = ckpt.metadata(path).item_metadata
+    stored = None if item is None else getattr(item, "tree", None)
+    if not isinstance(stored, dict):
+        raise ValueError(f"path={str(path)!r}: expected an orbax params directory written by "
+                         "export_params (no readable orbax item metadata there)")
+    _check_same_params(path, _shapes(target), _shapes(stored))
 
 
 def _shapes(nested, prefix=()) -> dict[tuple[str, ...], tuple[int, ...] | None]:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -28,7 +29,8 @@ FAMILIES: tuple[Family, ...] = (qwen3_moe.FAMILY, olmoe.FAMILY, mixtral.FAMILY, 
                                 deepseek_v3.FAMILY)
 ARCHITECTURES = tuple(f.architecture for f in FAMILIES)
 
-__all__ = ["ARCHITECTURES", "config_from_hf", "config_to_hf", "family_of", "load_pretrained", "save_pretrained"]
+__all__ = ["ARCHITECTURES", "config_from_hf", "config_to_hf", "family_of", "load_pretrained", "read_pretrained",
+           "save_pretrained"]
 
 
 def _family_of_hf(hf: Mapping) -> Family:
@@ -93,10 +95,22 @@ def load_pretrained(path, *, dtype=None, param_dtype=None, moe_impl: str = "ragg
     per-layer tensors are stacked per run of identical layers, see models/stacking.py).
 
     The model is built abstractly (no random init) and filled with the checkpoint's tensors cast to
-    param_dtype (router biases stay float32). Raises ValueError for an unsupported architecture,
-    missing tensors (naming some of them) or a tensor of the wrong shape (naming it, its shape and
-    the expected one); warns about tensors the model does not use (e.g. DeepSeek's MTP layers).
+    param_dtype (router biases stay float32), one device copy each (:func:`read_pretrained`). Raises
+    ValueError for an unsupported architecture, missing tensors (naming some of them) or a tensor of
+    the wrong shape (naming it, its shape and the expected one); warns about tensors the model does
+    not use (e.g. DeepSeek's MTP layers).
     """
+    cfg, graphdef, state = read_pretrained(path, dtype=dtype, param_dtype=param_dtype, moe_impl=moe_impl,
+                                           scan_layers=scan_layers)
+    return cfg, nnx.merge(graphdef, jax.tree.map(jnp.asarray, state))
+
+
+def read_pretrained(path, *, dtype=None, param_dtype=None, moe_impl: str = "ragged",
+                    scan_layers: bool = True) -> tuple[MoeConfig, nnx.GraphDef, nnx.State]:
+    """``(cfg, graphdef, state)`` of a Hugging Face directory without building a model: ``state`` is
+    the model's whole ``nnx.State`` holding the checkpoint's tensors as host numpy arrays (nothing on
+    a device; ``nnx.merge(graphdef, state)`` is the model). Same arguments, checks and warnings as
+    :func:`load_pretrained`."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json: expected a Hugging Face model directory")
@@ -107,17 +121,17 @@ def load_pretrained(path, *, dtype=None, param_dtype=None, moe_impl: str = "ragg
         raise ValueError(f"scan_layers={scan_layers!r}: expected a bool")
     cfg = cfg.replace(scan_layers=scan_layers)
     with Checkpoint(path) as ckpt:
-        state, used = read_state(ckpt, cfg, family)
+        pure, used = read_state(ckpt, cfg, family)
         unused = sorted(ckpt.names - used - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
     if unused:
         warnings.warn(f"{path}: {len(unused)} checkpoint tensor(s) not used by the model, e.g. {unused[:8]}",
-                      stacklevel=2)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: MoeTransformer(cfg, rngs=nnx.Rngs(0))))
-    want = jax.tree.map(lambda s: (s.shape, np.dtype(s.dtype)), nnx.to_pure_dict(abstract))
-    if want != jax.tree.map(lambda a: (a.shape, np.dtype(a.dtype)), state):  # a bug here, not in the file
+                      stacklevel=3)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: MoeTransformer(cfg, rngs=nnx.Rngs(0))))
+    want = jax.tree.map(lambda s: (s.shape, np.dtype(s.dtype)), nnx.to_pure_dict(state))
+    if want != jax.tree.map(lambda a: (a.shape, np.dtype(a.dtype)), pure):  # a bug here, not in the file
         raise RuntimeError("models.hf: the tensor map does not cover MoeTransformer's state exactly")
-    nnx.replace_by_pure_dict(abstract, state)
-    return cfg, nnx.merge(graphdef, abstract)
+    nnx.replace_by_pure_dict(state, pure)
+    return cfg, graphdef, state
 
 
 def save_pretrained(model: MoeTransformer, path, *, max_shard_size: int | str = "5GB", dtype=None,

@@ -14,7 +14,6 @@ import dataclasses
 from collections.abc import Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -123,7 +122,8 @@ def _get(tree: Mapping, path: tuple):
 
 
 def read_state(ckpt: Checkpoint, cfg: MoeConfig, family: Family) -> tuple[dict, set[str]]:
-    """Our pure state dict from the checkpoint, after checking names and shapes of everything.
+    """Our pure state dict from the checkpoint, as host numpy arrays, after checking names and shapes
+    of everything.
 
     The router bias is kept in float32 (transformers keeps ``e_score_correction_bias`` in fp32)."""
     d, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
@@ -148,7 +148,7 @@ def read_state(ckpt: Checkpoint, cfg: MoeConfig, family: Family) -> tuple[dict, 
     state: dict = {}
     for t in plain:
         a = ckpt.get(t.name, np.float32 if t.path[-1] == "router_bias" else dt)
-        _set(state, t.path, a.T if t.linear else a)  # numpy until the end: one device copy per tensor
+        _set(state, t.path, a.T if t.linear else a)
     for layer in cfg.moe_layer_ids:
         gate_up, down = fused_names(layer)
         if gate_up in ckpt:
@@ -159,8 +159,8 @@ def read_state(ckpt: Checkpoint, cfg: MoeConfig, family: Family) -> tuple[dict, 
             mats = {ours: np.stack([ckpt.get(n[ours][0], dt) for n in names]) for ours in names[0]}
         for ours, m in mats.items():  # HF [E, out, in] -> ours [E, in, out]
             _set(state, ("layers", layer, "mlp", ours), np.swapaxes(m, 1, 2))
-    state = stacking.stack_layers(state, cfg) if cfg.scan_layers else state
-    return jax.tree.map(jnp.asarray, state), set(wanted)
+    state = stacking.stack_layers(state, cfg, stack=np.stack) if cfg.scan_layers else state
+    return state, set(wanted)
 
 
 def hf_tensors(model: MoeTransformer, family: Family, dtype) -> dict[str, np.ndarray]:

@@ -43,11 +43,14 @@ def resolve_config(spec: str, *, dtype=None):
 
 def build_model(spec: str, *, config: str | None = None, seed: int = 0, dtype=None):
     """The served ``MoeTransformer`` for ``--model spec`` (see the module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
     from flax import nnx
 
     from models import MoeTransformer
     from models.hf import load_pretrained
-    from r3jax.params_io import load_params
+    from r3jax.params_io import read_weights
 
     path = Path(spec)
     if not path.exists():
@@ -61,20 +64,22 @@ def build_model(spec: str, *, config: str | None = None, seed: int = 0, dtype=No
         raise ValueError(f"--model {spec!r} is an orbax params directory without config.json: pass "
                          "--config PRESET|HF_DIR so the model's shapes are known")
     cfg = resolve_config(config if config is not None else str(path), dtype=dtype)
-    return load_params(path, template(cfg))
+    graphdef, weights, rest = abstract_model(cfg)
+    weights = jax.tree.map(jnp.asarray, read_weights(path, weights))  # one device copy per array
+    rest = jax.tree.map(lambda s: jnp.asarray(np.zeros(s.shape, s.dtype)), rest)  # not in params files
+    return nnx.merge(graphdef, weights, rest)
 
 
-def template(cfg):
-    """A ``MoeTransformer`` of ``cfg`` with zero params, built without running the random init
-    (params come from host zeros; restore targets need only shapes, dtypes and placement)."""
-    import jax
-    import numpy as np
+def abstract_model(cfg):
+    """``(graphdef, weights, rest)`` of a ``MoeTransformer`` of ``cfg`` from ``nnx.eval_shape``: the
+    weights (:data:`models.weights.WEIGHTS`) and any other state as ``jax.ShapeDtypeStruct`` trees,
+    nothing allocated and no random init run (restore targets need only shapes and dtypes)."""
     from flax import nnx
 
     from models import MoeTransformer
+    from models.weights import WEIGHTS
 
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: MoeTransformer(cfg, rngs=nnx.Rngs(0))))
-    return nnx.merge(graphdef, jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype)), state))
+    return nnx.split(nnx.eval_shape(lambda: MoeTransformer(cfg, rngs=nnx.Rngs(0))), WEIGHTS, ...)
 
 
 # safetensors dtype names -> bytes per element (the sub-byte and exotic ones are left to the reader)
@@ -163,19 +168,22 @@ def config_mismatch(got, want) -> list[str]:
 
 
 def load_state(path: str, fmt: str, engine: Any):
-    """``POST /v1/weights``: the params (``nnx.State``) at ``path`` for the engine's model config.
+    """``POST /v1/weights``: the weights (``nnx.State`` of Params and router biases, host numpy arrays)
+    at ``path`` for the engine's model config. No model is built: an orbax directory is restored
+    against ``nnx.eval_shape`` targets, a Hugging Face directory's tensors are read straight into the
+    state tree; ``engine.set_weights`` then places them like its current weights (host to device,
+    each device receiving its own shards), so the only device copy is the engine's own.
 
     Raises :class:`InputError` (field ``path``) for a missing directory, unreadable files (checked
-    by :func:`check_hf_files` first) or a checkpoint of another shape; other load errors (ValueError,
-    OSError) propagate and the app reports them as 422 too. Nothing here touches the engine.
+    by :func:`check_hf_files` first), a config other than the served one or a checkpoint of another
+    shape; other load errors (ValueError, OSError) propagate and the app reports them as 422 too.
+    Nothing here touches the engine.
     """
-    import jax
-    import numpy as np
     from flax import nnx
 
-    from models.hf import load_pretrained
+    from models.hf import config_from_hf, read_pretrained
     from models.weights import WEIGHTS
-    from r3jax.params_io import load_params
+    from r3jax.params_io import read_weights
 
     cfg, p = engine.config, Path(path)
     if not p.is_dir():
@@ -187,18 +195,21 @@ def load_state(path: str, fmt: str, engine: Any):
         check_hf_files(p)
         from safetensors import SafetensorError
 
-        try:
-            got, model = load_pretrained(p, dtype=cfg.dtype, param_dtype=cfg.param_dtype, moe_impl=cfg.moe_impl)
-        except SafetensorError as e:  # a file damaged past what check_hf_files reads (tensor bytes)
-            raise InputError("path", f"path={path!r}: unreadable safetensors file ({e})") from None
-        diff = config_mismatch(got, cfg)
+        # the config first: a checkpoint of another model is refused before its tensors are read
+        got = config_from_hf(json.loads((p / "config.json").read_bytes()), dtype=cfg.dtype,
+                             param_dtype=cfg.param_dtype, moe_impl=cfg.moe_impl)
+        diff = config_mismatch(got.replace(scan_layers=cfg.scan_layers), cfg)  # the layout is ours to pick
         if diff:
             raise InputError("path", f"path={path!r}: the checkpoint's config differs from the served "
                              f"model ({'; '.join(diff)}); restart the server with --model {path}")
-    elif fmt == "orbax":
-        model = load_params(p, template(cfg))  # raises ValueError on a structure or shape mismatch
-    else:
-        raise InputError("format", f"format={fmt!r}: expected 'orbax' or 'safetensors'")
-    # Host arrays: the engine places them like its current params. (orbax hands back committed device
-    # arrays; swapping those for the engine's uncommitted ones would recompile every program once.)
-    return jax.tree.map(np.asarray, nnx.state(model, WEIGHTS))  # Params and router biases
+        try:
+            _, _, state = read_pretrained(p, dtype=cfg.dtype, param_dtype=cfg.param_dtype, moe_impl=cfg.moe_impl,
+                                          scan_layers=cfg.scan_layers)
+        except SafetensorError as e:  # a file damaged past what check_hf_files reads (tensor bytes)
+            raise InputError("path", f"path={path!r}: unreadable safetensors file ({e})") from None
+        weights, _ = nnx.split_state(state, WEIGHTS, ...)  # Params and router biases
+        return weights
+    if fmt == "orbax":
+        _, weights, _ = abstract_model(cfg)
+        return read_weights(p, weights)  # raises ValueError on a structure or shape mismatch
+    raise InputError("format", f"format={fmt!r}: expected 'orbax' or 'safetensors'")

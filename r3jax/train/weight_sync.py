@@ -3,7 +3,8 @@
 In process: ``push_to_engine(engine, state)`` hands the params to ``Engine.set_weights`` and returns
 the new ``weight_version``. Remote: ``push_to_server(url, path, state)`` writes a standalone orbax
 params directory with :func:`r3jax.params_io.export_params` and calls ``POST {url}/v1/weights`` with
-``{"path": dir, "format": "orbax"}``; the server reads it with :func:`r3jax.params_io.load_params`.
+``{"path": dir, "format": "orbax"}``; the server reads it into host arrays with
+:func:`r3jax.params_io.read_weights` (no model built) and places them on its engine.
 """
 
 from __future__ import annotations

@@ -327,6 +327,64 @@ def test_weight_pushes_of_unreadable_files_are_4xx_and_change_nothing(served, mo
     assert after.output_ids == before.output_ids and after.weight_version == v0
 
 
+def test_weight_loads_build_no_model_and_put_nothing_on_devices(served, model, tmp_path, monkeypatch):
+    """``POST /v1/weights`` reads orbax and safetensors directories straight into host arrays: no
+    model of zeros (the old ``template``) and no device copy of its own, measured as the live device
+    bytes at the moment every tensor has been read. The engine then serves exactly the pushed
+    weights, placed like its old ones."""
+    import gc
+
+    import jax
+
+    import models.hf
+    from models.hf import save_pretrained
+    from models.weights import WEIGHTS
+    from r3jax import tree_io
+    from r3jax.serve import weights
+    from r3jax.train import export_params
+
+    engine, url = served
+    assert not hasattr(weights, "template")
+    pushed = jax.tree.map(lambda x: -np.asarray(x), nnx.state(model, WEIGHTS))
+    orbax = export_params(tmp_path / "orbax", pushed)
+    save_pretrained(model, tmp_path / "hf")
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(pushed))
+    live = lambda: sum(x.nbytes for x in jax.live_arrays())
+    seen = []
+
+    def spy(fn):  # live device bytes when ``fn`` returns: every tensor read, nothing handed over yet
+        def wrapped(*a, **k):
+            out = fn(*a, **k)
+            seen.append(live())
+            return out
+        return wrapped
+
+    monkeypatch.setattr(tree_io, "from_nested", spy(tree_io.from_nested))  # the end of read_weights
+    monkeypatch.setattr(models.hf, "read_state", spy(models.hf.read_state))  # the end of a safetensors read
+    for path, fmt in ((orbax, "orbax"), (tmp_path / "hf", "safetensors")):
+        seen.clear()
+        gc.collect()
+        before = live()
+        state = weights.load_state(str(path), fmt, engine)
+        assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(state)), fmt  # host arrays only
+        assert seen and max(seen) - before < 0.05 * model_bytes, (fmt, before, seen, model_bytes)
+    monkeypatch.undo()
+
+    def engine_weights():
+        return [np.asarray(x) for x in jax.tree.leaves(nnx.merge_state(engine._params, engine._rest))]
+
+    old = [x.sharding for x in jax.tree.leaves(engine._params)]
+    v0 = engine.weight_version
+    with RemoteInferenceClient(url) as client:
+        assert client.update_weights(str(orbax), "orbax") == [v0 + 1]
+        assert [x.sharding for x in jax.tree.leaves(engine._params)] == old  # placed like the old ones
+        for got, want in zip(engine_weights(), jax.tree.leaves(pushed), strict=True):
+            np.testing.assert_array_equal(got, want)
+        assert client.update_weights(str(tmp_path / "hf"), "safetensors") == [v0 + 2]
+    for got, want in zip(engine_weights(), jax.tree.leaves(nnx.state(model, WEIGHTS)), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_model_flag_loads_presets_hf_and_orbax_directories(model, tmp_path):
     """``--model``: preset, Hugging Face dir, orbax params dir (config from --config or its config.json)."""
     import jax
