@@ -47,17 +47,27 @@ def place_copy(tree: Any, shardings: Any) -> Any:
     live on devices (:func:`move`). ``jax.device_put(..., may_alias=False)`` alone still aliases the
     source's buffer on its own device when the target is replicated over several devices (JAX 0.10.2);
     a donated train step would then delete the other side's array (the engine's weights after an
-    in-process sync, or the model's). So the copy is a jitted one, with the requested shardings exactly
-    (not just equivalent ones) on its outputs; an array already on the target's devices goes straight
-    into it (XLA reshards it there), the others are moved onto them first."""
+    in-process sync, or the model's). So the copy of a device array is a jitted one, with the requested
+    shardings exactly (not just equivalent ones) on its outputs; an array already on the target's devices
+    goes straight into it (XLA reshards it there), the others are moved onto them first. A host value
+    (numpy) is ``device_put`` once: that buffer is already its own."""
     leaves, treedef = jax.tree.flatten(tree)
     targets = tuple(jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)))
     if len(targets) != len(leaves):
         raise ValueError(f"shardings: {len(targets)} shardings for {len(leaves)} arrays: expected one per array")
     if not leaves:
         return jax.tree.unflatten(treedef, leaves)
-    moved = [x if _on_devices_of(x, s) else move(x, s) for x, s in zip(leaves, targets)]
-    return jax.tree.unflatten(treedef, _copier(targets)(moved))
+    out = list(leaves)
+    # host values (numpy, scalars): device_put already makes buffers of their own, with exactly ``s``
+    on_device = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    for i, (x, s) in enumerate(zip(leaves, targets)):
+        if not isinstance(x, jax.Array):
+            out[i] = jax.device_put(x, s)
+    if on_device:
+        moved = [leaves[i] if _on_devices_of(leaves[i], targets[i]) else move(leaves[i], targets[i]) for i in on_device]
+        for i, y in zip(on_device, _copier(tuple(targets[i] for i in on_device))(moved)):
+            out[i] = y
+    return jax.tree.unflatten(treedef, out)
 
 
 def _on_devices_of(x: Any, s: jax.sharding.Sharding) -> bool:
