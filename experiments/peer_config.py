@@ -47,14 +47,14 @@ def write_peer_checkpoint(out_dir, seed: int = 0) -> Path:
     return out_dir
 
 
-def peer_model(seed: int = 0, hf_dir=None) -> tuple[MoeTransformer, Path]:
+def peer_model(seed: int = 0, hf_dir=None, scan_layers: bool = True) -> tuple[MoeTransformer, Path]:
     """(our MoeTransformer, hf_dir) of the peer config. hf_dir defaults to a fresh temporary directory
     (left in place for the caller: HF and Tunix load the same files)."""
     from models.hf import load_pretrained
 
     hf_dir = Path(tempfile.mkdtemp(prefix=f"peer-qwen3moe-s{seed}-") if hf_dir is None else hf_dir)
     write_peer_checkpoint(hf_dir, seed)
-    cfg, model = load_pretrained(hf_dir)
+    cfg, model = load_pretrained(hf_dir, scan_layers=scan_layers)
     want = {"vocab_size": 4096, "hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 2,
             "head_dim": 32, "num_experts": 16, "top_k": 4, "moe_intermediate_size": 128, "norm_topk_prob": True,
             "first_dense_layers": 0, "tie_embeddings": False, "rope_theta": ROPE_THETA}

@@ -148,7 +148,7 @@ class Engine:
         self._counters = dict(requests=0, steps=0, prefill_calls=0, prefill_tokens=0, cached_tokens=0,
                               padded_tokens=0, generated_tokens=0, decode_calls=0, decode_slot_steps=0,
                               max_live_slots=0, cancelled=0, aborted=0, failed=0, route_rows=0, wasted_tokens=0,
-                              host_wait_s=0.0, warmup_s=0.0)
+                              host_wait_s=0.0, plan_s=0.0, dispatch_s=0.0, process_s=0.0, warmup_s=0.0)
         self._ttft: list[float] = []
         self._rng = np.random.default_rng(seed)
         self._k = self._v = self._last = None
@@ -178,7 +178,8 @@ class Engine:
         cached_tokens: prompt tokens whose KV and routes came from cached pages; padded_tokens: token
         slots of steps left empty; wasted_tokens: tokens computed for requests that had already
         stopped (the step planned before their stop token was read); host_wait_s: seconds the host
-        blocked on step outputs; compiled_programs: fixed after :meth:`warmup` (``warmup()["new"]`` counts
+        blocked on step outputs; plan_s / dispatch_s / process_s: host seconds planning steps (index
+        arrays), handing them to the device (inputs placed, program enqueued) and taking in their outputs; compiled_programs: fixed after :meth:`warmup` (``warmup()["new"]`` counts
         programs new to this process, loaded from the persistent compilation cache or compiled);
         pages_in_use: pages some request references; pages_reserved: pages promised to admitted requests
         and not taken yet (in use + reserved is what admission has committed); prefix_cache_blocks: indexed

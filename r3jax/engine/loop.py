@@ -224,11 +224,15 @@ class Loop:
         prefilling = [s for s in self.seqs if s.prefilling]
         if not decoding and not prefilling:
             return False
+        t0 = time.perf_counter()
         chunks = choose_chunks(prefilling, eng.prefill_rows, eng.prefill_chunk)
         lay = eng.layout(len(decoding), len(chunks))
         x, rows = build(eng.pool, decoding, chunks, lay, slots=eng.max_batch_size)
+        t1 = time.perf_counter()
         self.inflight.append(_Step(lay, rows, eng.dispatch(lay, x)))
         c = eng._counters
+        c["plan_s"] += t1 - t0
+        c["dispatch_s"] += time.perf_counter() - t1
         c["steps"] += 1
         c["decode_calls"] += bool(decoding)
         c["decode_slot_steps"] += len(decoding)
@@ -243,8 +247,8 @@ class Loop:
         eng = self.engine
         t0 = time.perf_counter()
         tok, lp, routes = (np.asarray(a) for a in step.outputs)
-        eng._counters["host_wait_s"] += time.perf_counter() - t0
         now = time.perf_counter()
+        eng._counters["host_wait_s"] += now - t0
         for row in step.rows:
             seq = row.seq
             if seq.finished:
@@ -263,6 +267,7 @@ class Loop:
             if seq.stopped or len(seq.tokens) >= seq.max_new:
                 self._finish(seq)
         del eng._ttft[:-4096]
+        eng._counters["process_s"] += time.perf_counter() - now
 
     def _finish(self, seq: Seq) -> None:
         eng, job = self.engine, seq.job
