@@ -36,10 +36,9 @@ def device_step_ms(eng: Engine, batch: int, kv_len: int, repeats: int = 10) -> f
     from r3jax.engine import step as dev
 
     lay = eng.layout(batch, 0)
-    ab = eng._abstract_inputs(lay)
-    x = {f: np.zeros(getattr(ab, f).shape, getattr(ab, f).dtype) for f in ab.__dataclass_fields__}
+    x = {name: np.zeros(shape, dtype) for name, shape, dtype in dev.input_spec(lay)}
     x["kv_len"][:], x["positions"][:], x["from_slot"][:], x["slot"][:] = kv_len, kv_len - 1, -1, eng.max_batch_size
-    inputs = dev.StepInputs(**eng.placement.put(x))
+    inputs = eng.placement.put(dev.pack(x, lay))
     exe = eng.programs.get("step", lay, lambda: eng._build_step(lay), *eng._step_args(inputs))
     best = float("inf")
     for _ in range(repeats + 1):

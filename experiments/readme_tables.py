@@ -141,7 +141,9 @@ def bench_engine(d: dict) -> str:
     for m, w in a.get("warmup", {}).items():
         facts.append({"measure": f"{m} server: programs / ready after, s (cold persistent cache for the first)",
                       "value": f"{w.get('programs')} / {w['ready_s']:.3g}"})
-    out = (_t(d["agents"], ["server", "workload", "wall_s", "tokens", "tok_s", "decode_calls", "mean_live_slots"])
+    agents = [{**r, "ms_per_call": 1e3 * r["wall_s"] / max(r["decode_calls"], 1)} for r in d["agents"]]
+    out = (_t(agents, ["server", "workload", "wall_s", "tokens", "tok_s", "decode_calls", "ms_per_call",
+                       "mean_live_slots"])
            + "\n\n" + table(facts, ["measure", "value"]))
     if d.get("decode"):
         out += ("\n\nDecode against Hugging Face `generate` on the same weights:\n\n"
@@ -158,9 +160,14 @@ def decode_bytes(d: dict) -> str:
 
 def bench_weight_sync(d: dict) -> str:
     rows = d.get("rows", [])
-    cols = [c for c in ["config", "path", "GB", "seconds", "s_per_GB", "export_s", "post_s"]
+    cols = [c for c in ["preset", "case", "GB", "s", "s_per_GB", "export_s", "post_s", "read_s"]
             if any(c in r for r in rows)]
-    return _t(rows, cols)
+    return _t([{c: r.get(c) for c in cols} for r in rows], cols)
+
+
+def bench_step(d: dict) -> str:
+    return _t(d["rows"], ["config", "layers", "B", "steps", "wall_ms", "plan_ms", "dispatch_ms", "wait_ms",
+                          "process_ms", "device_ms", "host_over_device", "tok_s"])
 
 
 def bench_trace(d: dict) -> str:
@@ -297,26 +304,43 @@ SECTIONS = [
             "same weights exported by `models.hf.save_pretrained`. `hf_same_tokens`: fraction of rows whose "
             "continuation equals ours token for token; a speed ratio is shown only where it is 1.", bench_decode),
     Section("bench_engine", "Continuous batching", "python -m experiments.bench_engine",
-            "Async multi-turn agents over HTTP on a long-tailed mix of turn lengths, continuous batching against "
-            "the `--static` batch-to-completion path; in-process latency and compilation counts.", bench_engine),
+            "Async multi-turn agents over HTTP on a long-tailed mix of turn lengths, the paged engine's continuous "
+            "batching against its `--static` batch-to-completion mode (`python -m r3jax serve --model tiny`, 32 "
+            "requests at once); in-process latency and compilation counts. `ms_per_call`: wall ÷ decode steps. "
+            "Over HTTP the long sessions take as many steps in the mix as alone, but each step carries the mix's "
+            "rows and prompt chunks: on this CPU a step's cost grows with its tokens, which is what slows them "
+            "(on an accelerator a decode step is bound by reading the weights, nearly whatever its rows).",
+            bench_engine),
     Section("bench_paged", "The paged engine beside the slot engine", "python -m experiments.bench_paged",
             "Tiny model in process, max_seq_len 512, 8 requests at once, the same seeded request streams on both "
             "engines: programs and seconds of `warmup()`; time to first token of short requests (8 + 8 tokens) "
             "submitted while 400-token prompts prefill; a long-tailed mix (about 80% short, some long prompts and "
             "long generations): mean short ÷ mean long completion (goal ≤ 0.5) and long requests in the mix ÷ "
             "alone (goal ≤ 2). One `--quick` run on a loaded 2-core machine: read the ratios, not the seconds. "
-            "The paged engine meets the program goal and the memory goal; it misses the warm-up goals (cold "
-            "≤ 30 s, restart ≤ 5 s) and is slower to the first token here: it runs one token per running "
-            "request per device step where the slot engine decodes 8 per call, a likely cause not yet measured "
-            "apart.",
+            "The paged engine meets the program, memory and mix-slowdown goals and finishes the mix sooner; short "
+            "÷ long completion lands just above its goal. Its cold warm-up is XLA:CPU compiling 9 programs "
+            "(the phases below: compile is most of it, 6–10 s a program here) and a restart is tracing and "
+            "lowering them again before each cache hit. With one decode bucket (3 programs) the restart meets its "
+            "goal and the cold warm-up sits at it.",
             bench_paged),
+    Section("bench_step", "Where a decode step's time goes", "python -m experiments.bench_step",
+            "The paged engine's own counters over one warm `generate` of B requests (per step, ms): host planning, "
+            "handing the step to the device, waiting for its outputs, taking them in; and the decode step program "
+            "timed alone (`device_ms`). small_100m twice: its preset's scanned layers and the same model with "
+            "`scan_layers=False`.", bench_step),
+    Section("bench_weight_sync", "Weight sync", "python -m experiments.bench_weight_sync",
+            "Seconds per GB of weights from the trainer to the engine: in process (`push_to_engine`, device to "
+            "device; also from a trainer on 4 devices to an engine on 4 others) and to a uvicorn server "
+            "(`push_to_server`: an orbax export, then `POST /v1/weights`, which reads it into host arrays and "
+            "swaps them in). On CPU device memory is host memory: these price copies and file I/O, not an "
+            "interconnect.", bench_weight_sync),
     Section("decode_bytes", "Decode step bytes on a TPU chip", "make decode-bytes",
             "libtpu compiles the engine's decode step (64 requests × 2048-token page tables, every page live) for "
             "v5p:2x2x1 on this CPU host; `must_read`: the parameters a chip holds + its share of the KV pool, "
             "which a decode step must read once; `accessed`: XLA's bytes-accessed estimate of the compiled "
             "program per chip. XLA counts a while loop's body once and a Pallas kernel's own reads not at all, "
-            "so the models are compiled with their layers unrolled and only 2 of them (the preset's shapes "
-            "otherwise); `auto` is the Pallas ragged paged attention kernel (its figure is what runs outside "
+            "so the models are compiled with their layers unrolled and only 2 of them (deepseek_v3: its 3 dense "
+            "layers and one MoE layer; the preset's shapes otherwise); `auto` is the Pallas ragged paged attention kernel (its figure is what runs outside "
             "the kernel: the adapter re-lays the k and v pages out into the kernel's combined layout, a copy of "
             "the pool per layer per step), `xla` our gather-over-pages loop (its loop over key blocks counted "
             "once: a lower bound).", decode_bytes),

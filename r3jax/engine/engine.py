@@ -307,14 +307,9 @@ class Engine:
         self._k, self._v = tuple(map(zeros, k)), tuple(map(zeros, v))
         self._last = self.placement.put(np.zeros((self.max_batch_size,), np.int32))
 
-    def _abstract_inputs(self, lay: RaggedLayout) -> dev.StepInputs:
-        n, r, rep = lay.tokens, lay.rows, self.placement.replicated
-        s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=rep)
-        i32 = lambda *shape: s(shape, np.int32)
-        return dev.StepInputs(tokens=i32(n), from_slot=i32(n), positions=i32(n), page=i32(n), offset=i32(n),
-                              table=i32(r, lay.pages_per_row), kv_len=i32(r), sample_at=i32(r), slot=i32(r),
-                              key_data=s((r, 2), np.uint32), index=i32(r), temperature=s((r,), np.float32),
-                              top_k=i32(r), top_p=s((r,), np.float32), processed=s((r,), np.bool_))
+    def _abstract_inputs(self, lay: RaggedLayout) -> jax.ShapeDtypeStruct:
+        """The step's packed input vector (:func:`r3jax.engine.step.pack`), replicated."""
+        return jax.ShapeDtypeStruct((dev.packed_size(lay),), np.int32, sharding=self.placement.replicated)
 
     def _step_args(self, x):
         return self._params, self._rest, self._k, self._v, self._last, x
@@ -337,8 +332,7 @@ class Engine:
     def dispatch(self, lay: RaggedLayout, x: dict[str, np.ndarray]):
         """Enqueue one step; returns its outputs ``(tokens, logprobs, routes)`` as device arrays whose
         host copies have been started."""
-        inputs = dev.StepInputs(**self.placement.put(x))
-        args = self._step_args(inputs)
+        args = self._step_args(self.placement.put(dev.pack(x, lay)))
         exe = self.programs.get("step", lay, lambda: self._build_step(lay), *args)
         self._k, self._v, self._last, tok, lp, routes = exe(*args)
         for a in (tok, lp, routes):

@@ -13,8 +13,11 @@ Device state: the pool (``k``, ``v`` per layer group, :class:`models.paged.Paged
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from models.paged import PagedCache, PagedMeta, RaggedLayout
@@ -50,10 +53,47 @@ class StepInputs:
     processed: jax.Array
 
 
+def input_spec(layout: RaggedLayout) -> tuple[tuple[str, tuple[int, ...], np.dtype], ...]:
+    """(field, shape, dtype) of every :class:`StepInputs` field of a step of ``layout``, in field order."""
+    n, r = layout.tokens, layout.rows
+    shapes = dict(tokens=(n,), from_slot=(n,), positions=(n,), page=(n,), offset=(n,), table=(r, layout.pages_per_row),
+                  kv_len=(r,), sample_at=(r,), slot=(r,), key_data=(r, 2), index=(r,), temperature=(r,), top_k=(r,),
+                  top_p=(r,), processed=(r,))
+    dtypes = dict(key_data=np.uint32, temperature=np.float32, top_p=np.float32, processed=np.bool_)
+    return tuple((f.name, shapes[f.name], np.dtype(dtypes.get(f.name, np.int32))) for f in dataclasses.fields(StepInputs))
+
+
+def pack(x: dict[str, np.ndarray], layout: RaggedLayout) -> np.ndarray:
+    """Host side: a step's inputs as one int32 vector (32-bit fields by their bits, bools as 0/1), so a
+    step hands the device one array instead of fifteen (each transfer has a fixed cost)."""
+    parts = []
+    for name, shape, dtype in input_spec(layout):
+        a = np.asarray(x[name], dtype).reshape(-1)
+        parts.append(a.astype(np.int32) if dtype == np.bool_ else a.view(np.int32))
+    return np.concatenate(parts)
+
+
+def unpack(packed: jax.Array, layout: RaggedLayout) -> StepInputs:
+    """Device side: the inverse of :func:`pack` (static slices and bitcasts)."""
+    out, at = {}, 0
+    for name, shape, dtype in input_spec(layout):
+        size = int(np.prod(shape))
+        a = packed[at:at + size].reshape(shape)
+        at += size
+        out[name] = a != 0 if dtype == np.bool_ else (a if dtype == np.int32 else jax.lax.bitcast_convert_type(a, dtype))
+    return StepInputs(**out)
+
+
+def packed_size(layout: RaggedLayout) -> int:
+    return sum(int(np.prod(shape)) for _, shape, _ in input_spec(layout))
+
+
 def step(graphdef, params, rest, k, v, last, x: StepInputs, *, layout: RaggedLayout, head_only: bool, route_dtype):
-    """Run one mixed step. Returns ``(k, v, last, tokens [R] int32, logprobs [R] f32, routes [N, L, K])``
+    """Run one mixed step (``x``: the inputs, or them packed by :func:`pack`). Returns ``(k, v, last, tokens [R] int32, logprobs [R] f32, routes [N, L, K])``
     (routes in ``route_dtype``)."""
     model = nnx.merge(graphdef, params, rest)
+    if not isinstance(x, StepInputs):  # the packed int32 vector (:func:`pack`)
+        x = unpack(x, layout)
     tokens = jnp.where(x.from_slot >= 0, last[jnp.maximum(x.from_slot, 0)], x.tokens)
     cache = PagedCache(k=k, v=v, meta=PagedMeta(x.table, x.page, x.offset, x.kv_len, layout))
     kw = {"return_hidden": True} if head_only else {}
