@@ -327,7 +327,14 @@ SECTIONS = [
             "The paged engine's own counters over one warm `generate` of B requests (per step, ms): host planning, "
             "handing the step to the device, waiting for its outputs, taking them in; and the decode step program "
             "timed alone (`device_ms`). small_100m twice: its preset's scanned layers and the same model with "
-            "`scan_layers=False`.", bench_step),
+            "`scan_layers=False`. For tiny the host's work per step (mostly handing the step over: placing its "
+            "inputs and calling the program) is as long as the device step or longer, so one token per request "
+            "per step caps tiny's decode rate on this CPU; for small_100m the device step is nearly all of it, "
+            "and the scanned layout costs about 2.5× the unrolled one there. For small_100m a step in the loop "
+            "(`wall_ms`) takes 2–4× the program timed alone, which this run does not explain (the two ran at "
+            "different moments of a loaded machine; the engine's own timers put it all in waiting for the "
+            "device).",
+            bench_step),
     Section("bench_weight_sync", "Weight sync", "python -m experiments.bench_weight_sync",
             "Seconds per GB of weights from the trainer to the engine: in process (`push_to_engine`, device to "
             "device; also from a trainer on 4 devices to an engine on 4 others) and to a uvicorn server "
