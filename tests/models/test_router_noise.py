@@ -88,3 +88,18 @@ def test_router_noise_is_validated(bad):
     with pytest.raises(FieldError, match="router_noise") as e:
         models.MoeConfig.tiny(router_noise=bad)
     assert e.value.field == "MoeConfig.router_noise" and ">= 0" in e.value.expected
+
+
+@pytest.mark.parametrize("router", ["softmax_topk", "sigmoid_bias_grouped"])
+def test_both_layouts_and_routers_draw_the_same_noise(setup, router):
+    """The noise seed is the MoE layer index in either layer layout; the sigmoid router flips too."""
+    _, _, tokens, positions, _ = setup
+    extra = dict(n_group=2, topk_group=1) if router == "sigmoid_bias_grouped" else {}
+    out = {}
+    for scan in (True, False):
+        cfg = models.MoeConfig.tiny(moe_impl="dense", router=router, scan_layers=scan, **extra)
+        model = models.MoeTransformer(cfg, rngs=nnx.Rngs(0))
+        noisy = models.MoeTransformer(cfg.replace(router_noise=1.0), rngs=nnx.Rngs(0))
+        out[scan] = model(tokens, positions).routes, noisy(tokens, positions).routes
+    np.testing.assert_array_equal(out[True][1], out[False][1])
+    assert _differ(out[True][0], out[True][1]) > 0.3
