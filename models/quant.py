@@ -1,8 +1,9 @@
 """Weight-only int8 and fp8 fake quantisation: the CPU stand-ins for the FP8 rollouts of production RL
 stacks.
 
-``quantize_int8(params)`` (or ``quantize_fp8(params)``, float8_e4m3fn) rounds every matmul weight to symmetric int8 with one scale per output
-channel and dequantizes it back to the parameter's dtype, so the result drops into
+``quantize_int8(params)`` rounds every matmul weight to symmetric int8 (``quantize_fp8(params)``: to
+float8_e4m3fn) with one scale per output channel and dequantizes it back to the parameter's dtype, so
+the result drops into
 ``Engine.set_weights`` (same shapes and dtypes) and the rollout computes with the rounded weights.
 What a serving stack keeps in high precision stays exact: embeddings, the LM head, norm scales and
 every other 1-D parameter (biases included). The router is quantized only when asked
