@@ -96,6 +96,9 @@ class MoeConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     num_shared_experts: int = 0
+    # simulated rollout mismatch (models/routers.py): std of Gaussian noise added to the router logits
+    # used for top-k selection only (gates stay clean), when no replay ids are given; 0 turns it off
+    router_noise: float = 0.0
     # attention variants
     attention: str = "gqa"
     qk_norm_scope: str = "head"
@@ -145,6 +148,8 @@ class MoeConfig:
             ("topk_group", self.topk_group * (self.num_experts // self.n_group) >= self.top_k,
              f"enough groups for top_k={self.top_k} experts (topk_group * num_experts / n_group >= top_k)"),
             ("num_shared_experts", self.num_shared_experts >= 0, ">= 0"),
+            ("router_noise", isinstance(self.router_noise, (int, float)) and not isinstance(self.router_noise, bool)
+             and self.router_noise >= 0, "a float >= 0 (the std of the selection noise; 0 turns it off)"),
             ("attention", self.attention in ("gqa", "mla"), "'gqa' or 'mla'"),
             ("qk_norm_scope", self.qk_norm_scope in ("head", "full"), "'head' or 'full'"),
             ("partial_rotary_factor", 0 < self.partial_rotary_factor <= 1

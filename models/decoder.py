@@ -39,10 +39,11 @@ def stack_modules(modules: list[nnx.Module]) -> nnx.Module:
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
 
-def apply_layer(graphdef, state, x, positions, segment_ids, kv, replay_ids, replay_mask, token_mask):
+def apply_layer(graphdef, state, x, positions, segment_ids, kv, replay_ids, replay_mask, token_mask, index=0):
     """One decoder layer as a pure function of its variables ``state``.
 
-    x [B, T, D]; kv: this layer's ``(k, v)`` [B, S, Hc, Dc] or None; replay_ids [B, T, K] or None.
+    x [B, T, D]; kv: this layer's ``(k, v)`` [B, S, Hc, Dc] or None; replay_ids [B, T, K] or None;
+    index: the layer's index within its run (for an MoE run, the MoE layer index: router noise's seed).
     Returns ``(x, kv, moe)`` with ``moe = (ids [B, T, K], live_ids [B, T, K], aux scalar, load [E])``
     for an MoE layer and None for a dense one.
     """
@@ -51,7 +52,7 @@ def apply_layer(graphdef, state, x, positions, segment_ids, kv, replay_ids, repl
     x = x + h
     h = layer.post_attn_norm(x)
     if layer.is_moe:
-        h, ids, live, aux, load = layer.mlp(h, replay_ids, replay_mask, token_mask)
+        h, ids, live, aux, load = layer.mlp(h, replay_ids, replay_mask, token_mask, positions, index)
         return x + h, kv, (ids, live, aux, load)
     return x + layer.mlp(h), kv, None
 
@@ -86,7 +87,7 @@ def run_layers(graphdef, states, x, *, positions, segment_ids, token_mask, cache
             from models.paged import PagedLayer
 
             kv = PagedLayer(ck, cv, cache_meta, jnp.asarray(j, jnp.int32))  # the whole stacks: see PagedLayer
-        h, kv, moe = fn(state, h, positions, segment_ids, kv, rid, replay_mask, token_mask)
+        h, kv, moe = fn(state, h, positions, segment_ids, kv, rid, replay_mask, token_mask, j)
         if cache_meta is not None:  # the layer wrote into the stacks themselves
             ck, cv = kv
         elif ck is not None:  # write this layer's slice back into the carried stack (in place)

@@ -140,8 +140,10 @@ class MoeBlock(nnx.Module):
         if cfg.num_shared_experts:
             self.shared = DenseMLP(cfg, intermediate_size=cfg.num_shared_experts * i, rngs=rngs)
 
-    def __call__(self, x, replay_ids=None, replay_mask=None, token_mask=None):
-        """x [B, T, D]; replay_ids [B, T, K] int or None; replay_mask, token_mask [B, T] bool.
+    def __call__(self, x, replay_ids=None, replay_mask=None, token_mask=None, positions=None, layer=0):
+        """x [B, T, D]; replay_ids [B, T, K] int or None; replay_mask, token_mask [B, T] bool;
+        positions [B, T] int (default: 0 .. T-1 per row) and layer (this block's MoE layer index) seed
+        the selection noise of ``cfg.router_noise > 0`` (models/routers.py), unused otherwise.
 
         Returns ``(y [B, T, D], ids [B, T, K] int32, live_ids [B, T, K] int32, aux_loss scalar,
         load [E] f32)``: load counts the used experts over tokens where token_mask (and, under
@@ -153,7 +155,11 @@ class MoeBlock(nnx.Module):
         logits = xf @ self.router[...].astype(dt)
         flat = lambda a: None if a is None else a.reshape(b * t, *a.shape[2:])
         bias = self.router_bias[...] if cfg.router == "sigmoid_bias_grouped" else None
-        r = routers.route(logits, cfg, bias, flat(replay_ids), flat(replay_mask))
+        noise = None
+        if cfg.router_noise > 0 and replay_ids is None:  # static: a noiseless config traces as before
+            pos = jnp.broadcast_to(jnp.arange(t), (b, t)) if positions is None else positions
+            noise = cfg.router_noise * routers.selection_noise(pos.reshape(b * t), layer, cfg.num_experts)
+        r = routers.route(logits, cfg, bias, flat(replay_ids), flat(replay_mask), noise)
         ids, weights, live = r.ids, r.gates, r.live_ids
         kernel = {"ragged": experts_ragged, "dense": experts_dense, "loop": experts_loop,
                   "gather": experts_gather}[cfg.moe_impl]

@@ -12,7 +12,15 @@ One function, :func:`route`, serves every MoE layer:
   expert groups (a group's score is the sum of its two best biased scores); gates = the
   *unbiased* scores at the selected ids, divided by their sum (+1e-20) when ``norm_topk_prob``.
 
-Both then multiply the gates by ``routed_scaling_factor``. Replay replaces the selection only: the
+Both then multiply the gates by ``routed_scaling_factor``.
+
+``MoeConfig.router_noise`` = sigma > 0 simulates a rollout kernel that picks different experts: the
+selection sees ``logits + sigma * z`` while the gates stay computed from the clean logits. z
+(:func:`selection_noise`) is a pure function of the token's position and its MoE layer index
+(``fold_in`` of a fixed key), not of an rng threaded through the model: the same token gets the same
+noise whether it runs in a prefill chunk or a decode step, cached prefix pages stay consistent, and
+rollouts stay reproducible. Tokens at equal positions of different sequences share z (their logits
+differ, so their flips do not). Noise applies only when no replay ids are given. Replay replaces the selection only: the
 gates are always recomputed from the live scores at the used ids (never from the bias), so the
 router keeps its gradient and replaying the live ids reproduces the live forward bit for bit.
 
@@ -45,6 +53,17 @@ class Routing:
     gates: jax.Array
     live_ids: jax.Array
     probs: jax.Array
+
+
+NOISE_SEED = 0x5E1EC7  # the fixed key of the selection noise
+
+
+def selection_noise(positions: jax.Array, layer, num_experts: int) -> jax.Array:
+    """Standard normal [N, E] f32 for tokens at positions [N] int in MoE layer ``layer`` (int or
+    int32 scalar, the L index of the route arrays): row n depends only on (positions[n], layer)."""
+    base = jax.random.fold_in(jax.random.key(NOISE_SEED), layer)
+    draw = lambda p: jax.random.normal(jax.random.fold_in(base, p), (num_experts,), jnp.float32)
+    return jax.vmap(draw)(positions.astype(jnp.int32))
 
 
 def scores(logits: jax.Array, router: str) -> jax.Array:
@@ -91,11 +110,13 @@ def gates(s: jax.Array, ids: jax.Array, cfg: MoeConfig) -> jax.Array:
 
 
 def route(logits: jax.Array, cfg: MoeConfig, bias: jax.Array | None = None, replay_ids=None,
-          replay_mask=None) -> Routing:
+          replay_mask=None, noise: jax.Array | None = None) -> Routing:
     """Route N tokens. logits [N, E]; bias [E] or None; replay_ids [N, K] any integer dtype or None;
-    replay_mask [N] bool (True: use replay_ids). Returns :class:`Routing`."""
+    replay_mask [N] bool (True: use replay_ids); noise [N, E] f32 or None, added to the logits of the
+    live selection only (gates and probs use the clean scores). Returns :class:`Routing`."""
     s = scores(logits, cfg.router)
-    live = select(jax.lax.stop_gradient(s), bias, cfg)
+    choose = s if noise is None else scores(logits.astype(jnp.float32) + noise, cfg.router)
+    live = select(jax.lax.stop_gradient(choose), bias, cfg)
     ids = live
     if replay_ids is not None:
         ids = jnp.where(replay_mask[:, None], replay_ids.astype(jnp.int32), live)

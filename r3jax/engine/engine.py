@@ -71,6 +71,8 @@ class Engine:
         pads every step to B decode rows.
       dtype: compute dtype override (e.g. bf16 rollouts of an fp32 model); None keeps the model's.
       moe_impl: expert kernel; None picks "gather" on CPU and keeps the model's elsewhere.
+      router_noise: std of simulated selection noise on the router logits (``MoeConfig.router_noise``,
+        a mismatch knob for experiments); None keeps the model's. The model itself is not changed.
       max_stop_tokens: most stop token ids per request.
       mesh: a device mesh with axes among (data, tensor, expert) (:mod:`r3jax.engine.sharding`).
       static: admit requests only when none is running (static batches, kept for comparisons).
@@ -81,8 +83,8 @@ class Engine:
     def __init__(self, model: MoeTransformer, *, max_seq_len: int, max_batch_size: int, num_pages: int | None = None,
                  prefix_cache_bytes: int = 64 << 20, block_size: int = 16, prefill_chunk: int = 64,
                  prefill_rows: int | None = None, max_num_batched_tokens: int | None = None, decode_buckets: int = 3,
-                 dtype=None,
-                 moe_impl: str | None = None, max_stop_tokens: int = 64, mesh=None, static: bool = False,
+                 dtype=None, moe_impl: str | None = None, router_noise: float | None = None,
+                 max_stop_tokens: int = 64, mesh=None, static: bool = False,
                  seed: int | None = None, allow_replication: bool = False):
         for name, value, lo in [("max_seq_len", max_seq_len, 2), ("max_batch_size", max_batch_size, 1),
                                 ("prefix_cache_bytes", prefix_cache_bytes, 0), ("block_size", block_size, 1),
@@ -101,14 +103,19 @@ class Engine:
         own = isinstance(model, MoeTransformer)
         if moe_impl is None and own and jax.default_backend() == "cpu":
             moe_impl = CPU_MOE_IMPL
-        overrides = {k: v for k, v in (("dtype", dtype), ("moe_impl", moe_impl)) if v is not None}
+        overrides = {k: v for k, v in (("dtype", dtype), ("moe_impl", moe_impl), ("router_noise", router_noise))
+                     if v is not None}
         overrides = {k: v for k, v in overrides.items() if v != getattr(model.config, k)}
         if overrides and not own:
             name = next(iter(overrides))
             raise FieldError(name, overrides[name], f"None or model.config.{name} for a {type(model).__name__}",
                              f"Engine {name}={overrides[name]!r}: expected None or model.config.{name} for a "
                              f"{type(model).__name__} (only a MoeTransformer is rebuilt with another {name})")
-        cfg = model.config.replace(**overrides)
+        try:
+            cfg = model.config.replace(**overrides)
+        except FieldError as e:  # e.g. a negative router_noise: name the Engine argument
+            name = e.field.removeprefix("MoeConfig.")
+            raise FieldError(name, e.value, e.expected, f"Engine {name}={e.value!r}: expected {e.expected}") from None
         self.config = cfg
         self.max_seq_len, self.max_batch_size, self.block_size = max_seq_len, max_batch_size, block_size
         self.prefill_chunk, self.prefill_rows, self.max_stop_tokens = prefill_chunk, prefill_rows, max_stop_tokens

@@ -21,8 +21,9 @@ from typing import Any
 from r3jax.checks import is_int
 from r3jax.serve.schema import InputError
 
-# Fields that do not change the parameters or the forward pass a client sees.
-_FREE_FIELDS = {"dtype", "param_dtype", "moe_impl", "router_aux_loss_coef"}
+# Fields that do not change the parameters or the forward pass a client sees; and router_noise, the
+# engine-side mismatch knob: the trainer's checkpoint (saved without it) must still load into a noisy engine.
+_FREE_FIELDS = {"dtype", "param_dtype", "moe_impl", "router_aux_loss_coef", "router_noise"}
 
 
 def is_hf_dir(path: Path) -> bool:

@@ -1,4 +1,5 @@
-"""int8 weight-only fake quantisation (models.quant): what it rounds, and what int8 rollouts do.
+"""int8 and fp8 weight-only fake quantisation (models.quant): what they round, and what int8 / fp8
+rollouts do.
 
 The rollout cases use the engine API (``Engine.set_weights`` with the quantized params): the
 tokens a greedy decode picks survive int8 weights when their margins are wide, while routes whose
@@ -13,7 +14,7 @@ from flax import nnx
 
 import models
 from models import stacking
-from models.quant import fake_quant_int8, quantize_int8
+from models.quant import FP8_MAX, fake_quant_fp8, fake_quant_int8, quantize_fp8, quantize_int8
 from r3jax.engine import Engine, GenerateRequest
 
 
@@ -120,3 +121,76 @@ def test_quantize_is_pure(quantize_router):
     before = [np.asarray(x).copy() for x in jax.tree.leaves(params)]
     quantize_int8(params, quantize_router=quantize_router)
     assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, jax.tree.leaves(params)))
+
+
+def test_fake_quant_fp8_error_is_within_half_an_e4m3_step():
+    rng = np.random.default_rng(0)
+    # [E=2, in=64, out=6]: column 1 spans 2**-12 .. 1 (reaches e4m3's subnormals), column 5 is zero
+    w = rng.normal(size=(2, 64, 6)).astype(np.float32)
+    w[..., 1] = np.sign(w[..., 1]) * 2.0 ** rng.uniform(-12, 0, (2, 64))
+    w[..., 5] = 0.0
+    q = np.asarray(fake_quant_fp8(jnp.asarray(w)))
+    amax = np.max(np.abs(w), axis=-2, keepdims=True)
+    s = np.where(amax > 0, amax / FP8_MAX, 1.0)
+    # e4m3: 3 mantissa bits, so a normal scaled value |x| in [2**e, 2**(e+1)) sits on a grid of step
+    # 2**(e-3) and rounds by at most 2**(e-4) <= |x| * 2**-4; subnormals (|x| < 2**-6) step by 2**-9
+    bound = np.maximum(np.abs(w) * 2.0 ** -4, s * 2.0 ** -10)
+    assert np.all(np.abs(w - q) <= bound * (1 + 1e-6))
+    # per channel: the worst case is the top binade [256, 448] (step 32): |w - q| <= 16 s = max|w| / 28
+    assert np.all(np.max(np.abs(w - q), axis=-2, keepdims=True) <= amax / 28 * (1 + 1e-6))
+    np.testing.assert_allclose(np.max(np.abs(q), axis=-2), amax[:, 0], rtol=1e-6)  # 448 is on the grid
+    assert np.all(q[..., 5] == 0.0)
+    i8 = np.asarray(fake_quant_int8(jnp.asarray(w)))
+    assert not np.array_equal(q, w) and not np.array_equal(q, i8)
+    # bf16 weights come back bf16
+    assert fake_quant_fp8(jnp.asarray(w, jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+def test_quantize_fp8_rounds_the_leaves_int8_rounds():
+    cfg = models.MoeConfig.tiny()
+    params = nnx.state(models.MoeTransformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    for router in (False, True):
+        p8 = jax.tree.leaves(quantize_fp8(params, quantize_router=router))
+        i8 = jax.tree.leaves(quantize_int8(params, quantize_router=router))
+        for a, f, i in zip(jax.tree.leaves(params), p8, i8):
+            assert a.shape == f.shape and a.dtype == f.dtype
+            assert np.array_equal(a, f) == np.array_equal(a, i)  # the same selection of leaves
+
+
+def test_fp8_rollouts_change_logprobs_a_little_and_keep_the_route_contract():
+    cfg = models.MoeConfig.tiny()
+    model = models.MoeTransformer(cfg, rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(1, cfg.vocab_size, 6).tolist() for _ in range(4)]
+    starts = [0, 2, 6, 3]
+    reqs = [GenerateRequest(prompt_ids=p, max_tokens=8, temperature=0.0, return_logprobs=True,
+                            return_routed_experts=True, routed_experts_prompt_start=s)
+            for p, s in zip(prompts, starts)]
+    engine = Engine(model, max_seq_len=32, max_batch_size=4)  # the int8 test's engine: same programs
+    try:
+        fp32 = engine.generate(reqs)
+        engine.set_weights(quantize_fp8(params))
+        fp8 = engine.generate(reqs)
+    finally:
+        engine.close()
+    deltas = []
+    for a, b in zip(fp32, fp8):
+        # compare while both decodes saw the same context: the greedy logprob is the max of the
+        # log-softmax, so it is comparable at the first differing token too
+        same = np.cumprod(np.asarray(a.output_ids) == np.asarray(b.output_ids))
+        n = min(len(same), int(same.sum()) + 1)
+        deltas.append(np.abs(np.asarray(a.logprobs[:n]) - np.asarray(b.logprobs[:n])))
+    delta = np.concatenate(deltas)
+    # nonzero: fp8 moves every quantized weight; bounded: log-softmax is 2-Lipschitz in the max-norm of
+    # the logits, and weight errors of at most 2**-4 relative move this model's logits (spread about
+    # 1.3) by a few hundredths, expert flips included (a full forward of this model: 0.046 at most over
+    # the whole vocabulary, 6% of routes flipped); 0.5 would mean another model
+    assert 0 < delta.max() < 0.5, delta.max()
+    for r, out in zip(reqs, fp8):
+        routes = np.asarray(out.routed_experts)
+        p, s, g = len(r.prompt_ids), r.routed_experts_prompt_start, len(out.output_ids)
+        assert routes.shape == (p - s + g - 1, cfg.num_moe_layers, cfg.top_k)
+        assert routes.dtype == np.asarray(fp32[0].routed_experts).dtype == np.uint8
+        assert routes.min() >= 0 and routes.max() < cfg.num_experts
+        assert np.all(np.sort(routes, axis=-1)[..., 1:] != np.sort(routes, axis=-1)[..., :-1])
