@@ -115,7 +115,7 @@ def test_requests_must_be_a_list_of_requests(engine, requests, match):
     (dict(max_seq_len=1, max_batch_size=2), r"Engine max_seq_len=1: expected an int >= 2"),
     (dict(max_seq_len=64, max_batch_size=0), r"Engine max_batch_size=0: expected an int >= 1"),
     (dict(max_seq_len=64, max_batch_size=2, prefix_cache_bytes=-1), r"Engine prefix_cache_bytes=-1"),
-    (dict(max_seq_len=64, max_batch_size=2, moe_impl="sparse"), r"MoeConfig.moe_impl='sparse'"),
+    (dict(max_seq_len=64, max_batch_size=2, moe_impl="sparse"), r"Engine moe_impl='sparse': expected one of 'ragged'"),
 ])
 def test_engine_arguments(tiny_model, kwargs, match):
     with pytest.raises(ValueError, match=match):
