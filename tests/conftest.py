@@ -11,7 +11,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # a caller's own cache wins
+# R3JAX_TEST_COMPILATION_CACHE=0 (.ci/run on a fresh clone, where nothing could be reused): no cache, so
+# no executable is serialized in this process (XLA once aborted there, in the 8-device train step's entry)
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("R3JAX_TEST_COMPILATION_CACHE") != "0":
     jax.config.update("jax_compilation_cache_dir",
                       str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax-compilation"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
