@@ -14,6 +14,7 @@ Device state: the pool (``k``, ``v`` per layer group, :class:`models.paged.Paged
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,7 @@ class StepInputs:
     processed: jax.Array
 
 
+@functools.lru_cache(maxsize=64)  # asked on every step, for a handful of layouts
 def input_spec(layout: RaggedLayout) -> tuple[tuple[str, tuple[int, ...], np.dtype], ...]:
     """(field, shape, dtype) of every :class:`StepInputs` field of a step of ``layout``, in field order."""
     n, r = layout.tokens, layout.rows
@@ -89,8 +91,8 @@ def packed_size(layout: RaggedLayout) -> int:
 
 
 def step(graphdef, params, rest, k, v, last, x: StepInputs, *, layout: RaggedLayout, head_only: bool, route_dtype):
-    """Run one mixed step (``x``: the inputs, or them packed by :func:`pack`). Returns ``(k, v, last, tokens [R] int32, logprobs [R] f32, routes [N, L, K])``
-    (routes in ``route_dtype``)."""
+    """Run one mixed step (``x``: the inputs, or them packed by :func:`pack`). Returns ``(k, v, last,
+    tokens [R] int32, logprobs [R] f32, routes [N, L, K])`` (routes in ``route_dtype``)."""
     model = nnx.merge(graphdef, params, rest)
     if not isinstance(x, StepInputs):  # the packed int32 vector (:func:`pack`)
         x = unpack(x, layout)
