@@ -88,6 +88,17 @@ def replay_rl(d: dict) -> str:
     return out + "\n\n![replay_rl](../experiments/results/replay_rl.png)"
 
 
+def replay_dose(d: dict) -> str:
+    from experiments.dose_summary import tables
+
+    done = [c for c, v in d["cells"].items() if v["complete"]]
+    todo = [c for c, v in d["cells"].items() if not v["complete"]]
+    out = tables(d) if done else "No cell has all its seeds yet."
+    if todo:
+        out += ("\n\nStill running (fewer seeds than asked, not quoted): " + ", ".join(f"`{c}`" for c in todo) + ".")
+    return out + "\n\n![replay_dose](../experiments/results/replay_dose.png)"
+
+
 MISMATCH = ["config", "rollout", "replay", "live_routing_disagreement", "live_token_any_disagreement",
             "mean_abs_delta", "k3_kl", "f2"]
 STEP_COST = ["config", "tokens", "step_s_live", "step_s_replay", "replay_step_ratio", "ratio_of_min",
@@ -289,6 +300,17 @@ SECTIONS = [
             "(E = 64, top-8) so that the mismatch is material. Final reward: mean over the last quarter of the "
             "steps ± 95% CI over seeds; k3 KL and mean |Δ logprob| as median / p99 over all steps; a collapse "
             "is a reward below half its peak for 5 steps.", replay_rl),
+    Section("replay_dose", "Where replay pays: outcome against train–rollout mismatch, per arm",
+            "python -m experiments.replay_dose",
+            "A resumable grid of GRPO runs (the replay_rl model: 4 MoE layers, E = 64, top-8) over mismatch "
+            "settings × arms {none, R2, R3, TIS (cap 2), R3 + TIS} × seeds, paired over seeds. A setting names "
+            "its mismatch source (bf16 rollouts; `s<σ>`: *simulated* Gaussian noise of std σ on the rollout "
+            "engine's router logits; int8 / fp8 weights; `sigmoid`: grouped sigmoid routing) and its off-policy "
+            "degree (`mb<n>` minibatch updates per rollout batch, default 2; `ep<n>` epochs). Live disagreement: "
+            "the trainer router's own top-k against the rollout's, in the first update of each batch. Final "
+            "reward: mean of the last quarter of the steps ± 95% CI over seeds; p99 |log ratio|: median over "
+            "steps of each step's p99 of |log π_train − log π_rollout| over targets. Only cells with every seed "
+            "are quoted.", replay_dose),
     Section("replay_mismatch", "Train–rollout mismatch with and without replay", "python -m experiments.replay_mismatch",
             "Random-init models; the engine samples in bf16 (and fp32, the same-dtype control); an fp32 trainer "
             "scores the same tokens with and without replay. `live_*`: the trainer router's own top-k against "

@@ -52,7 +52,8 @@ def logprob_mismatch(train_logprobs, rollout_logprobs, loss_mask) -> dict[str, j
     train_logprobs, rollout_logprobs [B, S] f32 (row i = logprob of token i). Returns scalars
     ``mean_abs_delta`` = mean |Δ|, ``k3_kl`` = mean(exp(Δ) − 1 − Δ) (the k3 estimator of
     KL(π_rollout ‖ π_train) on rollout samples) and ``f2`` = fraction with |Δ| > ln 2
-    (probability ratio outside [1/2, 2]).
+    (probability ratio outside [1/2, 2]), ``abs_delta_p99`` and ``abs_delta_max`` (the tail of
+    |log importance ratio| that a truncated-IS cap or a clip has to absorb; NaN without targets).
     """
     m = jnp.asarray(loss_mask) > 0
     delta = jnp.where(m, jnp.asarray(train_logprobs, jnp.float32)
@@ -61,6 +62,8 @@ def logprob_mismatch(train_logprobs, rollout_logprobs, loss_mask) -> dict[str, j
         "mean_abs_delta": masked_mean(jnp.abs(delta), m),
         "k3_kl": masked_mean(jnp.expm1(delta) - delta, m),
         "f2": masked_mean((jnp.abs(delta) > LN2).astype(jnp.float32), m),
+        "abs_delta_p99": jnp.nanpercentile(jnp.where(m, jnp.abs(delta), jnp.nan), 99.0),
+        "abs_delta_max": jnp.where(m.any(), jnp.max(jnp.where(m, jnp.abs(delta), 0.0)), jnp.nan),
     }
 
 

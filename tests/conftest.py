@@ -17,3 +17,27 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("R3JAX_TEST_
     jax.config.update("jax_compilation_cache_dir",
                       str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax-compilation"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
+# Every live XLA:CPU executable holds ~6 memory mappings, and the jit caches keep every program of the
+# suite alive: near a thousand tests the process reaches Linux's vm.max_map_count (65530 by default)
+# and the next compile segfaults inside XLA. Dropping the caches when the mappings run high frees them
+# (programs a later test needs are compiled again; engines keep their own AOT-compiled steps).
+_MAPS = Path("/proc/self/maps")
+_MAP_LIMIT = Path("/proc/sys/vm/max_map_count")
+
+
+def _map_count() -> int:
+    with _MAPS.open("rb") as f:
+        return sum(1 for _ in f)
+
+
+def pytest_runtest_setup(item):
+    if not _MAPS.exists():
+        return
+    limit = int(_MAP_LIMIT.read_text()) if _MAP_LIMIT.exists() else 65530
+    if _map_count() > limit // 2:
+        import gc
+
+        jax.clear_caches()
+        gc.collect()

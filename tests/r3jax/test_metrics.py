@@ -23,6 +23,8 @@ def test_logprob_mismatch_hand_values_and_masked_garbage():
     assert out["mean_abs_delta"] == pytest.approx(np.abs(delta).mean(), abs=1e-6)
     assert out["k3_kl"] == pytest.approx(np.mean(np.exp(delta) - 1 - delta), abs=1e-6)
     assert out["f2"] == pytest.approx(1 / 3)  # only |-0.8| > ln 2
+    assert out["abs_delta_p99"] == pytest.approx(np.percentile(np.abs(delta), 99), abs=1e-6)  # garbage excluded
+    assert out["abs_delta_max"] == pytest.approx(0.8, abs=1e-6)
     assert 0.8 > math.log(2) > 0.1
 
 
