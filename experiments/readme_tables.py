@@ -303,7 +303,8 @@ SECTIONS = [
     Section("replay_dose", "Where replay pays: outcome against train–rollout mismatch, per arm",
             "python -m experiments.replay_dose",
             "A resumable grid of GRPO runs (the replay_rl model: 4 MoE layers, E = 64, top-8) over mismatch "
-            "settings × arms {none, R2, R3, TIS (cap 2), R3 + TIS} × seeds, paired over seeds. A setting names "
+            "settings × arms {none, R2, R3, TIS (cap 2), R3 + TIS} × seeds, paired over seeds; the steps, prompts and "
+            "samples per step are in the command's defaults and the result file. A setting names "
             "its mismatch source (bf16 rollouts; `s<σ>`: *simulated* Gaussian noise of std σ on the rollout "
             "engine's router logits; int8 / fp8 weights; `sigmoid`: grouped sigmoid routing) and its off-policy "
             "degree (`mb<n>` minibatch updates per rollout batch, default 2; `ep<n>` epochs). Live disagreement: "
