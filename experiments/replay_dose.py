@@ -49,10 +49,12 @@ from experiments.common import RESULTS, environment, run_provenance
 ARMS = {"none": ("none", None), "R2": ("trainer", None), "R3": ("rollout", None),
         "TIS": ("none", "cap"), "R3+TIS": ("rollout", "cap")}
 PRECISIONS = ("bf16", "int8", "fp8")
-DEFAULT_SETTINGS = "bf16,s0.03,s0.01,s0.003,s0.01-mb8"
+DEFAULT_SETTINGS = "bf16,s0.03,s0.03-mb8,s0.01,mb8,s0.003"
 # knobs every run of one grid shares: a stored grid with other values is not extended
 FIXED = ("steps", "prompts", "samples", "max_turns", "max_tokens", "lr", "warmup_steps", "experts", "top_k",
          "moe_layers", "expert_scale", "tis_cap")
+# what the TIS arms' PPO ratio is taken against (r3jax.train.record_old_logprobs), part of a grid's identity
+TIS_RATIO = "pre-update trainer logprobs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +231,25 @@ class Runner:
 
         self.args, self.mesh = args, make_mesh(data=-1)
         self.jax = jax
-        self._warm, self._engine, self._engine_key = {}, None, None
+        self._warm, self._engine, self._engine_key, self._meshes = {}, None, None, {}
+
+    def mesh_for(self, st: Setting):
+        """The training mesh of ``st``: every minibatch holds only real rows (the prompts x samples
+        trajectories split ``st.minibatches`` ways), so its batch divisor is the largest device count
+        that divides a minibatch (8 devices at 2 minibatches of 8 rows, 2 at 8 of 2). Padding rows would
+        make empty updates, which Adam's momentum still turns into steps."""
+        import math
+
+        from r3jax.sharding import make_mesh
+
+        rows = self.args.prompts * self.args.samples
+        if rows % st.minibatches:
+            raise SystemExit(f"--settings {st.name}: {rows} trajectories per batch (--prompts x --samples) do not "
+                             f"split into {st.minibatches} minibatches")
+        d = math.gcd(rows // st.minibatches, len(self.jax.devices()))
+        if d not in self._meshes:
+            self._meshes[d] = make_mesh(data=d, devices=self.jax.devices()[:d])
+        return self._meshes[d]
 
     def model_config(self, router: str):
         from models import MoeConfig
@@ -303,7 +323,8 @@ class Runner:
         replay, cap = ARMS[arm]
         loss = LossConfig(tis_cap=a.tis_cap if cap else None)
         loop_args = types.SimpleNamespace(**{**vars(a), "seed": seed})
-        state = init_train_state(self.warm(st.router), adam(a.lr), mesh=self.mesh, seed=seed)
+        mesh = self.mesh_for(st)
+        state = init_train_state(self.warm(st.router), adam(a.lr), mesh=mesh, seed=seed)
         self.sync(engine, state, st.precision)
         records = []
         for step in range(a.steps):
@@ -315,8 +336,11 @@ class Runner:
             for t, adv in zip(trajs, group_advantages(rewards, np.array([t.group for t in trajs]))):
                 t.advantage = float(adv)
             batch = collate(trajs, num_experts=cfg.num_experts, top_k=cfg.top_k, num_layers=cfg.num_moe_layers,
-                            batch_multiple=batch_multiple(self.mesh) * st.minibatches)
-            state, hist = ppo_update(state, shard_batch(batch, self.mesh), replay=replay, config=loss,
+                            batch_multiple=batch_multiple(mesh) * st.minibatches)
+            if batch.tokens.shape[0] != a.prompts * a.samples:
+                raise RuntimeError(f"batch rows={batch.tokens.shape[0]}: expected one per trajectory "
+                                   f"({a.prompts * a.samples}, no padding row)")
+            state, hist = ppo_update(state, shard_batch(batch, mesh), replay=replay, config=loss,
                                      num_minibatches=st.minibatches, epochs=st.epochs)
             hist = jax.device_get(hist)
             t2 = time.perf_counter()
@@ -345,6 +369,7 @@ def main(argv=None) -> dict:
     from tqdm import tqdm
 
     fixed = {k: getattr(args, k) for k in FIXED}  # not seeds: more seeds extend a grid
+    fixed["tis_ratio"] = TIS_RATIO
     result = load(args.results, fixed)
     todo = sum(str(s) not in result["runs"].get(f"{st.name}/{a}", {})
                for st in args.settings for s in range(args.seeds) for a in args.arms)

@@ -10,7 +10,7 @@ from r3jax.train.partition import param_shardings, param_spec, single_device_mes
 from r3jax.train.ppo import ppo_update
 from r3jax.train.state import TrainState, init_train_state, state_shardings
 from r3jax.train.step import (REPLAY_MODES, eval_step, forward_metrics, make_train_step,
-                              record_trainer_routes, train_step, validate_batch)
+                              record_old_logprobs, record_trainer_routes, train_step, validate_batch)
 from r3jax.train.weight_sync import export_params, load_params, push_to_engine, push_to_server
 
 __all__ = [
@@ -19,6 +19,6 @@ __all__ = [
     "export_params",
     "forward_metrics", "group_advantages", "init_train_state", "load_params", "make_train_step",
     "param_shardings", "param_spec", "policy_loss", "ppo_update", "push_to_engine", "push_to_server",
-    "record_trainer_routes", "route_config",
+    "record_old_logprobs", "record_trainer_routes", "route_config",
     "single_device_mesh", "state_shardings", "target_stats", "token_logprobs", "train_step", "validate_batch",
 ]

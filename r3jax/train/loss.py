@@ -131,11 +131,13 @@ def _truncate(lg, targets, top_k: int, top_p: float):
 
 
 def policy_loss(logprobs, rollout_logprobs, advantages, loss_mask, config: LossConfig,
-                ref_logprobs=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+                ref_logprobs=None, old_logprobs=None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Token-mean clipped surrogate over targets (``loss_mask [B, S]`` > 0).
 
     logprobs [B, S] (trainer, differentiable), rollout_logprobs [B, S], advantages [B, S],
-    ref_logprobs [B, S] or None. Returns ``(loss, stats)`` where loss = pg_loss + kl_coef * kl_ref
+    ref_logprobs [B, S] or None, old_logprobs [B, S] or None (with ``tis_cap``: the trainer's
+    pre-update logprobs; None takes stop_gradient(logprobs), exact on a batch's first update; without
+    ``tis_cap`` they are not used). Returns ``(loss, stats)`` where loss = pg_loss + kl_coef * kl_ref
     and stats holds pg_loss, clip_fraction (targets where the clipped branch was taken),
     importance_weight (mean truncated weight; 1 without tis_cap) and kl_ref when used.
     Values at masked-out positions (padding) are zeroed before any exp, so garbage there is inert.
@@ -147,7 +149,8 @@ def policy_loss(logprobs, rollout_logprobs, advantages, loss_mask, config: LossC
     if config.tis_cap is None:
         behaviour, weight = old, jnp.ones_like(lp)
     else:
-        behaviour = jax.lax.stop_gradient(lp)
+        behaviour = jax.lax.stop_gradient(lp if old_logprobs is None
+                                          else jnp.where(m, jnp.asarray(old_logprobs, jnp.float32), 0.0))
         weight = jnp.minimum(jnp.exp(behaviour - old), config.tis_cap)
     ratio = jnp.exp(lp - behaviour)
     high = config.clip_eps if config.clip_eps_high is None else config.clip_eps_high

@@ -38,16 +38,8 @@ BATCH_FIELDS = ("tokens", "positions", "segment_ids", "attention_mask", "loss_ma
                 "rollout_logprobs", "routes", "route_mask")
 
 
-def forward_metrics(params, state: TrainState, batch, replay: str, config: LossConfig, ref_logprobs=None,
-                    trainer_routes=None):
-    """Loss and metrics of one forward pass (pure; differentiable in ``params``).
-
-    Returns ``(loss, metrics)``. Replay mode "rollout" forces ``batch.routes`` where
-    ``batch.route_mask``; the aux loss is taken over real, captured tokens (segment_ids > 0 and
-    route_mask), since uncaptured rows stay out of router statistics (DESIGN §4). Mode "trainer"
-    forces ``trainer_routes [B, S, L, K]`` on every real token (the trainer recorded them all).
-    Mode "none" routes live everywhere. Both take the aux loss over all real tokens.
-    """
+def _forward(params, state: TrainState, batch, replay: str, config: LossConfig, trainer_routes):
+    """The model's forward in ``replay`` mode: ``(model, out, target stats, captured [B, S])``."""
     model = nnx.merge(state.graphdef, params, state.rest)
     real = batch.segment_ids > 0
     captured = batch.route_mask.astype(bool)
@@ -61,9 +53,25 @@ def forward_metrics(params, state: TrainState, batch, replay: str, config: LossC
     out, ts = forward_stats(model, batch.tokens, batch.positions, chunk=config.logits_chunk,
                             temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
                             replay=rp, segment_ids=batch.segment_ids, token_mask=token_mask)
+    return model, out, ts, captured
+
+
+def forward_metrics(params, state: TrainState, batch, replay: str, config: LossConfig, ref_logprobs=None,
+                    trainer_routes=None, old_logprobs=None):
+    """Loss and metrics of one forward pass (pure; differentiable in ``params``).
+
+    Returns ``(loss, metrics)``. Replay mode "rollout" forces ``batch.routes`` where
+    ``batch.route_mask``; the aux loss is taken over real, captured tokens (segment_ids > 0 and
+    route_mask), since uncaptured rows stay out of router statistics (DESIGN §4). Mode "trainer"
+    forces ``trainer_routes [B, S, L, K]`` on every real token (the trainer recorded them all).
+    Mode "none" routes live everywhere. Both take the aux loss over all real tokens.
+    ``old_logprobs`` [B, S]: the pre-update trainer logprobs the TIS surrogate's ratio is taken
+    against (:class:`LossConfig`), or None.
+    """
+    model, out, ts, captured = _forward(params, state, batch, replay, config, trainer_routes)
     lp = ts.logprobs  # as sampled
     loss, stats = policy_loss(lp, batch.rollout_logprobs, batch.advantages, batch.loss_mask, config,
-                              ref_logprobs)
+                              ref_logprobs, old_logprobs)
     loss = loss + aux_coefficient(config, getattr(model, "config", None)) * out.aux_loss
     # routing is compared through the router's own top-k (live_routes): the used routes are the
     # replayed ids under replay, so they would agree with the rollout's by construction
@@ -94,9 +102,11 @@ def _imbalance(load):
     return jnp.mean(jnp.where(mean > 0, jnp.max(load, -1) / jnp.where(mean > 0, mean, 1.0), jnp.nan))
 
 
-def _train_impl(state: TrainState, batch, ref_logprobs, trainer_routes, *, replay: str, config: LossConfig):
+def _train_impl(state: TrainState, batch, ref_logprobs, trainer_routes, old_logprobs, *, replay: str,
+                config: LossConfig):
     grad_fn = jax.value_and_grad(forward_metrics, has_aux=True)
-    (_, metrics), grads = grad_fn(state.params, state, batch, replay, config, ref_logprobs, trainer_routes)
+    (_, metrics), grads = grad_fn(state.params, state, batch, replay, config, ref_logprobs, trainer_routes,
+                                  old_logprobs)
     updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics["grad_norm"] = optax.tree.norm(grads)
@@ -109,10 +119,18 @@ def _train_impl(state: TrainState, batch, ref_logprobs, trainer_routes, *, repla
     return new, metrics
 
 
-def _eval_impl(state: TrainState, batch, ref_logprobs, trainer_routes, *, replay: str, config: LossConfig):
-    metrics = forward_metrics(state.params, state, batch, replay, config, ref_logprobs, trainer_routes)[1]
+def _eval_impl(state: TrainState, batch, ref_logprobs, trainer_routes, old_logprobs, *, replay: str,
+               config: LossConfig):
+    metrics = forward_metrics(state.params, state, batch, replay, config, ref_logprobs, trainer_routes,
+                              old_logprobs)[1]
     metrics.pop(_LOAD)
     return metrics
+
+
+def _logprobs_impl(state: TrainState, batch, ref_logprobs, trainer_routes, old_logprobs, *, replay: str,
+                   config: LossConfig):
+    return jnp.where(batch.loss_mask > 0, _forward(state.params, state, batch, replay, config, trainer_routes)[2]
+                     .logprobs, 0.0)
 
 
 def _record_impl(state: TrainState, batch):
@@ -143,56 +161,61 @@ def _on_mesh(fn: Callable, mesh) -> Callable:
     return wrapped
 
 
-def _compile(kind: str, state: TrainState, mesh, replay: str, config: LossConfig, with_ref: bool) -> _Compiled:
+def _compile(kind: str, state: TrainState, mesh, replay: str, config: LossConfig, with_ref: bool,
+             with_old: bool) -> _Compiled:
     state_sh = state_shardings(state, mesh)
     bsh, rep = partition.batch_sharding(mesh), partition.replicated(mesh)
     if kind == "record":
         jitted = jax.jit(_on_mesh(_record_impl, mesh), in_shardings=(state_sh, bsh), out_shardings=bsh)
         return _Compiled(jitted, mesh, bsh, route_config(state.model()))
-    impl = _train_impl if kind == "train" else _eval_impl
+    impl = {"train": _train_impl, "eval": _eval_impl, "logprobs": _logprobs_impl}[kind]
     body = _on_mesh(functools.partial(impl, replay=replay, config=config), mesh)
     with_tr = replay == "trainer"
-    # positional extras after (state, batch): [ref_logprobs] [trainer_routes]
+    # positional extras after (state, batch): [ref_logprobs] [trainer_routes] [old_logprobs]
     def fn(s, b, *extra):
         extra = list(extra)
         ref = extra.pop(0) if with_ref else None
         tr = extra.pop(0) if with_tr else None
-        return body(s, b, ref, tr)
-    in_sh = (state_sh, bsh) + ((bsh,) if with_ref else ()) + ((bsh,) if with_tr else ())
+        old = extra.pop(0) if with_old else None
+        return body(s, b, ref, tr, old)
+    in_sh = (state_sh, bsh) + ((bsh,) * (with_ref + with_tr + with_old))
     if kind == "train":
         jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=(state_sh, rep), donate_argnums=0)
+    elif kind == "logprobs":
+        jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=bsh)
     else:
         jitted = jax.jit(fn, in_shardings=in_sh, out_shardings=rep)
     return _Compiled(jitted, mesh, bsh, route_config(state.model()))
 
 
-def _lookup(kind: str, state: TrainState, replay: str, config: LossConfig, with_ref: bool) -> _Compiled:
+def _lookup(kind: str, state: TrainState, replay: str, config: LossConfig, with_ref: bool,
+            with_old: bool = False) -> _Compiled:
     if kind != "record" and replay not in REPLAY_MODES:
         raise ValueError(f"replay={replay!r}: expected one of {REPLAY_MODES}")
     if not isinstance(config, LossConfig):
         raise ValueError(f"config={config!r}: expected a LossConfig")
-    if config.kl_coef > 0.0 and not with_ref:
+    if config.kl_coef > 0.0 and not with_ref and kind != "logprobs":
         raise ValueError(f"ref_logprobs=None with LossConfig.kl_coef={config.kl_coef}: expected "
                          "reference logprobs [B, S] (or kl_coef=0)")
     mesh = state.mesh
     # The tree structure carries the graphdef and the optimizer (static fields), so one key covers
     # model, optimizer, mesh and mode; jax.jit then caches per batch shape underneath.
-    key = (kind, jax.tree.structure(state), mesh, replay, config, with_ref)
+    key = (kind, jax.tree.structure(state), mesh, replay, config, with_ref, with_old)
     if key not in _CACHE:
-        _CACHE[key] = _compile(kind, state, mesh, replay, config, with_ref)
+        _CACHE[key] = _compile(kind, state, mesh, replay, config, with_ref, with_old)
     return _CACHE[key]
 
 
 def make_train_step(state: TrainState, *, replay: str = "rollout", config: LossConfig = LossConfig(),
-                    with_ref: bool = False) -> Callable:
-    """The raw jitted step for hot loops: ``fn(state, batch[, ref_logprobs][, trainer_routes])
-    -> (state, metrics)`` (trainer_routes exactly when ``replay="trainer"``).
+                    with_ref: bool = False, with_old: bool = False) -> Callable:
+    """The raw jitted step for hot loops: ``fn(state, batch[, ref_logprobs][, trainer_routes]
+    [, old_logprobs]) -> (state, metrics)`` (trainer_routes exactly when ``replay="trainer"``).
 
     Explicit in/out shardings from ``state``'s mesh (params per partition specs, batch along
     data x fsdp x expert, metrics replicated) and ``donate_argnums=0``: the input state is consumed.
     No host-side checks: call :func:`validate_batch` once per batch shape yourself.
     """
-    return _lookup("train", state, replay, config, with_ref).fn
+    return _lookup("train", state, replay, config, with_ref, with_old).fn
 
 
 def validate_batch(batch, model_config, mesh) -> None:
@@ -232,16 +255,19 @@ def _place(tree, sharding):
     return jax.tree.map(put, tree)
 
 
-def _run(kind, state, batch, replay, config, ref_logprobs, trainer_routes=None):
+def _run(kind, state, batch, replay, config, ref_logprobs, trainer_routes=None, old_logprobs=None):
     if (replay == "trainer") != (trainer_routes is not None):
         raise ValueError(f"replay={replay!r} with trainer_routes="
                          f"{'None' if trainer_routes is None else 'given'}: expected trainer_routes = "
                          "record_trainer_routes(state, batch) exactly when replay='trainer'")
-    c = _lookup(kind, state, replay, config, ref_logprobs is not None)
+    if old_logprobs is not None and config.tis_cap is None:
+        raise ValueError("old_logprobs given with LossConfig.tis_cap=None: expected old_logprobs only with "
+                         "tis_cap (the plain surrogate's ratio is taken against the rollout logprobs)")
+    c = _lookup(kind, state, replay, config, ref_logprobs is not None, old_logprobs is not None)
     validate_batch(batch, c.model_config, c.mesh)
-    if ref_logprobs is not None and tuple(np.shape(ref_logprobs)) != tuple(np.shape(batch.tokens)):
-        raise ValueError(f"ref_logprobs shape={tuple(np.shape(ref_logprobs))}: expected [B, S] = "
-                         f"{tuple(np.shape(batch.tokens))}")
+    for name, x in (("ref_logprobs", ref_logprobs), ("old_logprobs", old_logprobs)):
+        if x is not None and tuple(np.shape(x)) != tuple(np.shape(batch.tokens)):
+            raise ValueError(f"{name} shape={tuple(np.shape(x))}: expected [B, S] = {tuple(np.shape(batch.tokens))}")
     if trainer_routes is not None and tuple(np.shape(trainer_routes)) != tuple(np.shape(batch.routes)):
         raise ValueError(f"trainer_routes shape={tuple(np.shape(trainer_routes))}: expected [B, S, L, K] = "
                          f"{tuple(np.shape(batch.routes))}")
@@ -250,6 +276,8 @@ def _run(kind, state, batch, replay, config, ref_logprobs, trainer_routes=None):
         args += (_place(ref_logprobs, c.batch_sharding),)
     if trainer_routes is not None:
         args += (_place(trainer_routes, c.batch_sharding),)
+    if old_logprobs is not None:
+        args += (_place(old_logprobs, c.batch_sharding),)
     return c.fn(*args)
 
 
@@ -266,13 +294,29 @@ def record_trainer_routes(state: TrainState, batch) -> jax.Array:
     return c.fn(state, _place(batch, c.batch_sharding))
 
 
+def record_old_logprobs(state: TrainState, batch, *, replay: str, config: LossConfig,
+                        trainer_routes=None) -> jax.Array:
+    """The pre-update trainer logprobs ``[B, S]`` f32 of ``batch``'s targets (0 off ``loss_mask``)
+    under ``replay`` and ``config``'s sampling transform: π_old of the TIS surrogate.
+
+    Call it once per rollout batch before its first update and pass the result (sliced along B like
+    the batch) as ``train_step(..., old_logprobs=...)`` to every minibatch update with
+    ``LossConfig.tis_cap``, so the clipped ratio measures how far the updates have moved the policy
+    from the one that scored the batch (a forward pass, like verl's old-logprob recompute). The
+    state is not donated.
+    """
+    return _run("logprobs", state, batch, replay, config, None, trainer_routes)
+
+
 def train_step(state: TrainState, batch, *, replay: str = "rollout", config: LossConfig = LossConfig(),
-               ref_logprobs=None, trainer_routes=None) -> tuple[TrainState, dict[str, jax.Array]]:
+               ref_logprobs=None, trainer_routes=None, old_logprobs=None) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step. Returns ``(new_state, metrics)``; ``state`` is donated (do not reuse it).
 
     replay: "rollout" (R3: replay batch.routes where batch.route_mask), "trainer" (R2: replay
     ``trainer_routes`` [B, S, L, K] from :func:`record_trainer_routes` on every real token; required
-    exactly in this mode) or "none" (live routing).
+    exactly in this mode) or "none" (live routing). old_logprobs [B, S] from
+    :func:`record_old_logprobs`, only with ``config.tis_cap`` (None: this step's own, exact on a
+    batch's first update).
     metrics (replicated scalars unless noted): loss, pg_loss, aux_loss, clip_fraction,
     importance_weight, grad_norm, num_targets, mean_abs_delta, k3_kl, f2, fallback_fraction,
     live_routing_disagreement, live_routing_disagreement_per_layer [L], live_token_any_disagreement
@@ -281,11 +325,11 @@ def train_step(state: TrainState, batch, *, replay: str = "rollout", config: Los
     expert_load_imbalance, + kl_ref with a reference. A metric over an empty token set is NaN.
     The compiled program is cached per (mesh, state structure, replay, config, batch shapes).
     """
-    return _run("train", state, batch, replay, config, ref_logprobs, trainer_routes)
+    return _run("train", state, batch, replay, config, ref_logprobs, trainer_routes, old_logprobs)
 
 
 def eval_step(state: TrainState, batch, *, replay: str = "rollout", config: LossConfig = LossConfig(),
-              ref_logprobs=None, trainer_routes=None) -> dict[str, jax.Array]:
+              ref_logprobs=None, trainer_routes=None, old_logprobs=None) -> dict[str, jax.Array]:
     """Forward-only metrics of ``state`` on ``batch`` (same dict as train_step minus grad_norm).
     The state is not donated."""
-    return _run("eval", state, batch, replay, config, ref_logprobs, trainer_routes)
+    return _run("eval", state, batch, replay, config, ref_logprobs, trainer_routes, old_logprobs)

@@ -96,3 +96,18 @@ def test_group_advantages():
 def test_loss_config_validation(kw, msg):
     with pytest.raises(ValueError, match=msg):
         LossConfig(**kw)
+
+
+def test_tis_ratio_is_taken_against_the_old_logprobs():
+    rollout = _row(-1.0, -1.0)
+    old_train = rollout + _row(math.log(3.0), math.log(0.5))  # π_old / π_rollout = 3 and 0.5
+    lp = old_train + math.log(1.5)  # the updates moved both tokens' ratio π / π_old to 1.5
+    adv = _row(1.0, 1.0)
+    cfg = LossConfig(tis_cap=2.0, clip_eps=0.2)
+    loss, stats = policy_loss(lp, rollout, adv, _row(1, 1), cfg, old_logprobs=old_train)
+    # ratios clipped to 1.2; weights min(3, 2) = 2 and 0.5 from π_old, not from the current π
+    assert float(loss) == pytest.approx(-(2.0 * 1.2 + 0.5 * 1.2) / 2, abs=1e-5)
+    assert float(stats["clip_fraction"]) == 1.0
+    assert float(stats["importance_weight"]) == pytest.approx(1.25, abs=1e-6)
+    grad = np.asarray(jax.grad(lambda x: policy_loss(x, rollout, adv, _row(1, 1), cfg, old_logprobs=old_train)[0])(lp))
+    np.testing.assert_allclose(grad, [[0.0, 0.0]], atol=1e-6)  # both clipped: no gradient
