@@ -158,7 +158,8 @@ def plot(summary: dict, settings: dict, path: Path) -> None:
 
     cells = {k: v for k, v in summary["cells"].items() if v["complete"]}
     arms = list(dict.fromkeys(k.rsplit("/", 1)[1] for k in cells))
-    families = list(dict.fromkeys(settings[s]["family"] for s in settings))
+    # families with something to draw: a legend names the family only when two or more are drawn
+    families = list(dict.fromkeys(settings[s]["family"] for s in settings if f"{s}/{BASE}" in cells))
     styles = ["-", "--", ":", "-."]
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
     panels = [("final_reward_mean", "final reward (mean of last quarter)", False),

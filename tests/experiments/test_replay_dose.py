@@ -126,3 +126,13 @@ def test_wilson_interval_brackets_zero_and_full_rates():
     assert ds.wilson95(0, 5)[0] == 0.0 and 0.4 < ds.wilson95(0, 5)[1] < 0.5
     lo, hi = ds.wilson95(5, 5)
     assert hi == 1.0 and 0.5 < lo < 0.6
+
+
+def test_every_minibatch_holds_real_rows():
+    import types
+
+    runner = rd.Runner(types.SimpleNamespace(prompts=4, samples=4))  # 16 trajectories per batch
+    for name, devices in (("bf16", 8), ("mb4", 4), ("mb8", 2), ("mb16", 1)):
+        assert math.prod(runner.mesh_for(rd.Setting.parse(name)).shape.values()) == devices, name
+    with pytest.raises(SystemExit, match=r"--settings mb3: 16 trajectories per batch .* do not split into 3"):
+        runner.mesh_for(rd.Setting.parse("mb3"))
