@@ -27,24 +27,28 @@ train and rollout seconds), with the commit it ran on. A rerun skips every finis
 off midway leaves nothing and its cell incomplete (``cells[...]["complete"]``, top-level
 ``complete``). ``--summarize`` re-derives the summary, tables and figure from the stored records
 (experiments/dose_summary.py). The grid's fixed knobs (steps, batch, model, tis cap) are stored; a
-rerun with other values is refused rather than mixed in.
+rerun with other values is refused rather than mixed in. An arm whose definition changed (``ARM_DEFS``:
+the TIS arms' ratio) drops its stored runs of the older definition and runs them again.
+
+Several processes can fill one grid at once: start the same command more than once and they split
+its runs (experiments/dose_grid.py: a lock around every write, a claim per run).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
-import json
 import os
 import time
 import types
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 from experiments import dose_summary as ds
-from experiments.common import RESULTS, environment, run_provenance
+from experiments.common import RESULTS
+from experiments.dose_grid import drop_superseded, load, report, resummarize, run_grid
 
 ARMS = {"none": ("none", None), "R2": ("trainer", None), "R3": ("rollout", None),
         "TIS": ("none", "cap"), "R3+TIS": ("rollout", "cap")}
@@ -53,8 +57,10 @@ DEFAULT_SETTINGS = "bf16,s0.03,s0.03-mb8,s0.01,mb8,s0.003"
 # knobs every run of one grid shares: a stored grid with other values is not extended
 FIXED = ("steps", "prompts", "samples", "max_turns", "max_tokens", "lr", "warmup_steps", "experts", "top_k",
          "moe_layers", "expert_scale", "tis_cap")
-# what the TIS arms' PPO ratio is taken against (r3jax.train.record_old_logprobs), part of a grid's identity
+# what the TIS arms' PPO ratio is taken against (r3jax.train.record_old_logprobs): part of those arms'
+# definition, stored with each of their runs; a stored run of another definition is dropped and rerun
 TIS_RATIO = "pre-update trainer logprobs"
+ARM_DEFS = {"TIS": {"tis_ratio": TIS_RATIO}, "R3+TIS": {"tis_ratio": TIS_RATIO}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,77 +152,6 @@ def parse_args(argv=None):
     # fields the demo's loop/warm-start helpers read
     args.env, args.max_seq_len, args.temperature, args.warmup_batch, args.seed = "echo", 128, 1.0, 32, 0
     return args
-
-
-# ---- the resumable grid (no JAX: tested with a stand-in run function) ----------------------------------
-def load(path: Path, fixed: dict) -> dict:
-    """The stored grid at ``path`` (or a new one); refuses one whose fixed knobs differ."""
-    if not path.exists():
-        return {"fixed": fixed, "settings": {}, "runs": {}, "run_provenance": {}}
-    result = json.loads(path.read_text())
-    changed = {k: (result["fixed"].get(k), v) for k, v in fixed.items() if result["fixed"].get(k) != v}
-    if changed:
-        k, (old, new) = next(iter(changed.items()))
-        raise SystemExit(f"{path}: stored grid has {k}={old!r}, this run asks {new!r}; pass --results "
-                         "another file (or delete it) rather than mix two grids")
-    return result
-
-
-def save(path: Path, result: dict, command: str) -> dict:
-    """Re-derive the summary and write the result atomically (a kill mid-write leaves the old file)."""
-    runs = result["runs"]
-    result.update(ds.summarize(runs, result["seeds_wanted"]))
-    # complete: every (cell, seed) any invocation asked for has finished
-    result["complete"] = all(seed in runs.get(cell, {}) for cell, seed in
-                             (g.rsplit("#", 1) for g in result["grid"]))
-    prov = [p for per in result["run_provenance"].values() for p in per.values()]
-    result.update(run_provenance())
-    result["dirty"] = result["dirty"] or any(p["dirty"] for p in prov)
-    result["commits"] = sorted({p["commit"] for p in prov})
-    result["command"], result["environment"] = command, environment()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, path)
-    return result
-
-
-def run_grid(path: Path, fixed: dict, settings: list[Setting], arms: list[str], seeds: int,
-             run_one: Callable[[Setting, str, int], list[dict]], *, command: str, on_done=None) -> dict:
-    """Run every missing (setting, arm, seed) of the grid, settings outermost (a stopped grid has whole
-    settings), storing each run as it finishes. ``run_one(setting, arm, seed)`` -> per-step records.
-    A cell is complete with ``seeds`` seeds (the latest invocation's number)."""
-    result = load(path, fixed)
-    grid = [(f"{st.name}/{arm}", st, seed) for st in settings for seed in range(seeds) for arm in arms]
-    for st in settings:
-        result["settings"][st.name] = st.describe()
-    result["seeds_wanted"] = seeds
-    result["grid"] = list(dict.fromkeys(result.get("grid", []) + [f"{c}#{s}" for c, _, s in grid]))
-    for cell, st, seed in grid:
-        if str(seed) in result["runs"].get(cell, {}):
-            continue  # finished in an earlier invocation
-        records = run_one(st, cell.rsplit("/", 1)[1], seed)
-        result["runs"].setdefault(cell, {})[str(seed)] = records
-        result["run_provenance"].setdefault(cell, {})[str(seed)] = run_provenance()
-        result = save(path, result, command)
-        if on_done is not None:
-            on_done(cell, seed, records)
-    return save(path, result, command)
-
-
-def resummarize(path: Path) -> dict:
-    """``--summarize``: recompute the summary, tables and figure from the stored records."""
-    result = json.loads(path.read_text())
-    result.update(ds.summarize(result["runs"], result["seeds_wanted"]))
-    path.write_text(json.dumps(result, indent=1))
-    report(result, path)
-    return result
-
-
-def report(result: dict, path: Path) -> None:
-    ds.plot(result, result["settings"], path.with_suffix(".png"))
-    print(ds.tables(result))
-    print(f"{path} ({'complete' if result.get('complete') else 'incomplete'} grid), {path.with_suffix('.png')}")
 
 
 # ---- the real runs -----------------------------------------------------------------------------------------
@@ -369,8 +304,8 @@ def main(argv=None) -> dict:
     from tqdm import tqdm
 
     fixed = {k: getattr(args, k) for k in FIXED}  # not seeds: more seeds extend a grid
-    fixed["tis_ratio"] = TIS_RATIO
-    result = load(args.results, fixed)
+    result = copy.deepcopy(load(args.results, fixed))
+    drop_superseded(result, ARM_DEFS)  # what run_grid will find stored
     todo = sum(str(s) not in result["runs"].get(f"{st.name}/{a}", {})
                for st in args.settings for s in range(args.seeds) for a in args.arms)
     command = "python -m experiments.replay_dose " + " ".join(argv if argv is not None else os.sys.argv[1:])
@@ -381,7 +316,7 @@ def main(argv=None) -> dict:
             bar.set_postfix(cell=cell, seed=seed, reward=f"{ds.final_reward(records):.2f}")
 
         result = run_grid(args.results, fixed, args.settings, args.arms, args.seeds, runner,
-                          command=command.strip(), on_done=done)
+                          command=command.strip(), on_done=done, arm_defs=ARM_DEFS)
     report(result, args.results)
     return result
 
