@@ -38,7 +38,7 @@ def load(path: Path, fixed: dict) -> dict:
 def save(path: Path, result: dict, command: str) -> dict:
     """Re-derive the summary and write the result atomically (a kill mid-write leaves the old file)."""
     runs = result["runs"]
-    result.update(ds.summarize(runs, result["seeds_wanted"]))
+    result.update(ds.summarize(runs, result["seeds_wanted"], result["run_provenance"]))
     # complete: every (cell, seed) any invocation asked for has finished
     result["complete"] = all(seed in runs.get(cell, {}) for cell, seed in
                              (g.rsplit("#", 1) for g in result["grid"]))
@@ -169,7 +169,7 @@ def resummarize(path: Path) -> dict:
     """``--summarize``: recompute the summary, tables and figure from the stored records."""
     with _locked(path):
         result = json.loads(path.read_text())
-        result.update(ds.summarize(result["runs"], result["seeds_wanted"]))
+        result.update(ds.summarize(result["runs"], result["seeds_wanted"], result["run_provenance"]))
         path.write_text(json.dumps(result, indent=1))
     report(result, path)
     return result

@@ -73,14 +73,24 @@ def cell_summary(per_seed: dict[int, list[dict]], seeds_wanted: int) -> dict:
     }
 
 
-def comparisons(runs: dict, cells: dict) -> list[dict]:
+def _time_ratio(a: dict, b: dict, seeds: list, key: str) -> float | None:
+    """Mean ``key`` seconds per step of the arm's runs ÷ none's, over ``seeds`` (None without any)."""
+    if not seeds:
+        return None
+    return float(np.mean([_mean(a[s], key) for s in seeds]) / np.mean([_mean(b[s], key) for s in seeds]))
+
+
+def comparisons(runs: dict, cells: dict, provenance: dict | None = None) -> list[dict]:
     """Paired (same seed) arm − none per setting, over complete cells only:
 
     - ``final_reward_diff`` (mean, half-width, ``ci95`` = [lo, hi], verdict);
     - ``collapse_diff``: collapses in the arm minus collapses in none (counts over the same seeds);
     - ``k3_ratio``: mean k3 KL arm ÷ none, geometric mean over seeds of the per-seed ratios with its CI
       (a heavy-tailed metric: averaged in log space); ``p99_diff``: per-seed median p99 |log ratio|;
-    - cost: ``train_s_ratio`` and ``rollout_s_ratio``, arm ÷ none, mean seconds per RL step.
+    - cost: ``train_s_ratio`` and ``rollout_s_ratio``, arm ÷ none, mean seconds per RL step, over the
+      seeds whose two runs ran on the same commit (``provenance[cell][seed]["commit"]``; all seeds
+      without provenance): runs of different invocations ran beside different loads, so their
+      seconds do not compare. ``cost_seeds`` counts them; the ratios are None at 0.
     """
     out = []
     for cell, c in cells.items():
@@ -95,6 +105,8 @@ def comparisons(runs: dict, cells: dict) -> list[dict]:
         pm, ph = mm.mean_ci95([float(np.nanmedian([r["abs_delta_p99"] for r in a[s]]))
                                - float(np.nanmedian([r["abs_delta_p99"] for r in b[s]])) for s in seeds])
         collapse = lambda rs: mm.collapse_step([r["reward"] for r in rs]) is not None
+        commit = lambda c, sd: ((provenance or {}).get(c, {}).get(str(sd)) or {}).get("commit")
+        same = [sd for sd in seeds if commit(cell, sd) == commit(base, sd)]
         out.append({
             "setting": setting, "arm": arm, "comparison": f"{arm} - {BASE}", "seeds": len(seeds),
             "disagreement": cells[base]["live_routing_disagreement"],
@@ -106,23 +118,25 @@ def comparisons(runs: dict, cells: dict) -> list[dict]:
                                   NEUTRAL_RATIO, null=1.0),
             "p99_diff": pm, "p99_ci95": [pm - ph, pm + ph],
             "p99_verdict": verdict(pm - ph, pm + ph, f"{arm} higher p99 |log ratio|", f"{arm} lower p99 |log ratio|"),
-            "train_s_ratio": c["train_s"] / cells[base]["train_s"],
-            "rollout_s_ratio": c["rollout_s"] / cells[base]["rollout_s"],
+            "cost_seeds": len(same), "train_s_ratio": _time_ratio(a, b, same, "train_s"),
+            "rollout_s_ratio": _time_ratio(a, b, same, "rollout_s"),
         })
     return out
 
 
-def summarize(runs: dict, seeds_wanted: int) -> dict:
-    """``{"cells", "comparisons"}`` from the stored runs (cells in the order they were stored)."""
+def summarize(runs: dict, seeds_wanted: int, provenance: dict | None = None) -> dict:
+    """``{"cells", "comparisons"}`` from the stored runs (cells in the order they were stored) and,
+    for the cost ratios, the runs' ``provenance[cell][seed]``."""
     cells = {cell: cell_summary({int(s): rs for s, rs in per.items()}, seeds_wanted)
              for cell, per in runs.items() if per}
     norm = {cell: {int(s): rs for s, rs in per.items()} for cell, per in runs.items()}
-    return {"cells": cells, "comparisons": comparisons(norm, cells)}
+    return {"cells": cells, "comparisons": comparisons(norm, cells, provenance)}
 
 
 def tables(summary: dict, complete_only: bool = True) -> str:
     """Markdown: one table of cells and one of paired comparisons (complete cells only by default)."""
     f = lambda v, d=3: "nan" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{d}g}"
+    ratio = lambda v: "n/a (other invocations)" if v is None else f"{v:.2f}"
     lines = ["| setting | arm | seeds | live disagreement | final reward | collapses | k3 KL (mean) | "
              "p99 \\|log ratio\\| | clip fraction | train s/step | rollout s/step |", "|" + "---|" * 11]
     for cell, c in summary["cells"].items():
@@ -142,7 +156,7 @@ def tables(summary: dict, complete_only: bool = True) -> str:
         lines.append(f"| {c['setting']} | {c['comparison']} | {c['seeds']} | {c['final_reward_diff']:+.3f} "
                      f"[{lo:+.3f}, {hi:+.3f}] | {c['verdict']} | {c['collapse_diff']:+d} | "
                      f"×{c['k3_ratio']:.2f} [{klo:.2f}, {khi:.2f}] | {c['p99_diff']:+.3f} [{plo:+.3f}, {phi:+.3f}] | "
-                     f"{c['train_s_ratio']:.2f} | {c['rollout_s_ratio']:.2f} |")
+                     f"{ratio(c['train_s_ratio'])} | {ratio(c['rollout_s_ratio'])} |")
     return "\n".join(lines)
 
 

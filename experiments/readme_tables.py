@@ -93,7 +93,13 @@ def replay_dose(d: dict) -> str:
 
     done = [c for c, v in d["cells"].items() if v["complete"]]
     todo = [c for c, v in d["cells"].items() if not v["complete"]]
-    out = tables(d) if done else "No cell has all its seeds yet."
+    per_commit = {}
+    for per in d.get("run_provenance", {}).values():
+        for p in per.values():
+            per_commit[p["commit"]] = per_commit.get(p["commit"], 0) + 1
+    out = ("Runs per commit: " + ", ".join(f"`{c}` {n}" for c, n in per_commit.items()) + ". Time ratios pair "
+           "only runs of one commit.\n\n" if len(per_commit) > 1 else "")
+    out += tables(d) if done else "No cell has all its seeds yet."
     if todo:
         out += ("\n\nStill running (fewer seeds than asked, not quoted): " + ", ".join(f"`{c}`" for c in todo) + ".")
     return out + "\n\n![replay_dose](../experiments/results/replay_dose.png)"
@@ -431,7 +437,9 @@ def provenance_line(d: dict, command: str) -> str:
                                   env.get("device_count") and f"{env['device_count']} device(s)",
                                   env.get("cpu_count") and f"{env['cpu_count']} CPU cores") if x)
     quick = " (`--quick`)" if d.get("quick") else ""
-    return f"Measured by `{d.get('command') or command}`{quick} on commit `{d['commit']}`" + (f" ({where})." if where else ".")
+    commits = d.get("commits") or [d["commit"]]  # a grid filled over several invocations names each
+    on = f"commit{'s' if len(commits) > 1 else ''} " + ", ".join(f"`{c}`" for c in commits)
+    return f"Measured by `{d.get('command') or command}`{quick} on {on}" + (f" ({where})." if where else ".")
 
 
 def rerun_line(command: str) -> str:

@@ -78,7 +78,7 @@ def test_summary_equals_a_recompute_from_the_stored_records(tmp_path):
     path = tmp_path / "dose.json"
     rd.run_grid(path, FIXED, SETTINGS, ARMS, 3, fake_run([]), command="t")
     stored = json.loads(path.read_text())
-    again = ds.summarize(stored["runs"], stored["seeds_wanted"])
+    again = ds.summarize(stored["runs"], stored["seeds_wanted"], stored["run_provenance"])
     assert json.dumps(again, sort_keys=True) == json.dumps(
         {"cells": stored["cells"], "comparisons": stored["comparisons"]}, sort_keys=True)
     # by hand, one cell: final reward = mean over seeds of the last-quarter mean, with the t CI
@@ -136,3 +136,21 @@ def test_every_minibatch_holds_real_rows():
         assert math.prod(runner.mesh_for(rd.Setting.parse(name)).shape.values()) == devices, name
     with pytest.raises(SystemExit, match=r"--settings mb3: 16 trajectories per batch .* do not split into 3"):
         runner.mesh_for(rd.Setting.parse("mb3"))
+
+
+def test_cost_ratios_compare_only_runs_of_one_commit():
+    runs = {cell: {s: fake_run([])(SETTINGS[0], cell.split("/")[1], s) for s in range(3)}
+            for cell in ("bf16/none", "bf16/R3")}
+    for s, rs in runs["bf16/R3"].items():  # seed 0's R3 run was twice as slow (another invocation's load)
+        for r in rs:
+            r["train_s"] *= 2 if s == 0 else 1
+    same = {c: {str(s): {"commit": "b"} for s in range(3)} for c in runs}
+    mixed = {**same, "bf16/R3": {"0": {"commit": "a"}, "1": {"commit": "b"}, "2": {"commit": "b"}}}
+    other = {**same, "bf16/R3": {str(s): {"commit": "a"} for s in range(3)}}
+    ratio = lambda prov: ds.summarize(runs, 3, prov)["comparisons"][0]
+    assert ratio(same)["train_s_ratio"] == pytest.approx((2.2 + 1.1 + 1.1) / 3) and ratio(same)["cost_seeds"] == 3
+    assert ratio(mixed)["train_s_ratio"] == pytest.approx(1.1) and ratio(mixed)["cost_seeds"] == 2
+    assert ratio(other)["train_s_ratio"] is None and ratio(other)["rollout_s_ratio"] is None
+    assert "n/a (other invocations)" in ds.tables(ds.summarize(runs, 3, other))
+    # the reward comparison still pairs every seed
+    assert ratio(other)["seeds"] == 3 and ratio(other)["final_reward_diff"] == ratio(same)["final_reward_diff"]
