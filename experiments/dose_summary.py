@@ -162,36 +162,40 @@ def tables(summary: dict, complete_only: bool = True) -> str:
 
 def plot(summary: dict, settings: dict, path: Path) -> None:
     """Dose-response figure over complete cells: x = the live disagreement the setting causes without
-    replay (its ``none`` cell), one colour per arm; settings that differ only in the mismatch source
-    (same router and off-policy degree) are joined by a line, one line style per such family.
-    Panels: final reward and collapse rate (95% CIs over seeds), k3 KL and median p99 |log ratio|."""
+    replay (its ``none`` cell, log scale), one colour per arm, nudged apart sideways so that the CIs
+    stay readable; settings that differ only in the mismatch source (same router and off-policy
+    degree) are joined by a line, one line style and marker per such family; the ``none`` points of
+    the k3 panel carry their setting's name. Panels: final reward and collapse rate (95% CIs over
+    seeds), k3 KL and median p99 |log ratio|; the legends sit below the panels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FixedLocator, FormatStrFormatter, NullFormatter
 
     cells = {k: v for k, v in summary["cells"].items() if v["complete"]}
     arms = list(dict.fromkeys(k.rsplit("/", 1)[1] for k in cells))
-    # families with something to draw: a legend names the family only when two or more are drawn
     families = list(dict.fromkeys(settings[s]["family"] for s in settings if f"{s}/{BASE}" in cells))
-    styles = ["-", "--", ":", "-."]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    styles, markers = ["-", "--", ":", "-."], ["o", "s", "^", "D"]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
     panels = [("final_reward_mean", "final reward (mean of last quarter)", False),
               ("collapse_rate", "collapse rate (reward < ½ peak for ≥ 5 steps)", False),
               ("k3_kl_mean", "k3 KL(rollout ‖ train), mean over steps", True),
               ("abs_delta_p99", "p99 |log importance ratio| (median over steps)", True)]
     for ax, (key, title, logy) in zip(axes.flat, panels):
         for ai, arm in enumerate(arms):
+            nudge = 1.0 + 0.025 * (ai - (len(arms) - 1) / 2)  # multiplicative: the x axis is logarithmic
             for fi, fam in enumerate(families):
                 pts = []
                 for s, meta in settings.items():
                     c, base = cells.get(f"{s}/{arm}"), cells.get(f"{s}/{BASE}")
                     if meta["family"] == fam and c and base:
-                        pts.append((base["live_routing_disagreement"], c))
+                        pts.append((base["live_routing_disagreement"], c, s))
                 if not pts:
                     continue
                 pts.sort(key=lambda p: p[0])
-                x = np.array([p[0] for p in pts]) * 100
+                x = np.array([p[0] for p in pts]) * 100 * nudge
                 y = np.array([p[1][key] for p in pts])
                 if key == "final_reward_mean":
                     err = np.nan_to_num([p[1]["final_reward_ci95"] for p in pts])
@@ -200,13 +204,22 @@ def plot(summary: dict, settings: dict, path: Path) -> None:
                                    for yy, p in zip(y, pts)], 0, None).T  # float noise at 0/n
                 else:
                     err = None
-                ax.errorbar(x, y, yerr=err, color=f"C{ai}", ls=styles[fi % len(styles)], marker="o", capsize=3,
-                            label=f"{arm}" + (f" ({fam})" if len(families) > 1 else ""))
-        ax.set_title(title), ax.grid(alpha=0.3), ax.set_xlabel("live routing disagreement without replay (%)")
+                ax.errorbar(x, y, yerr=err, color=f"C{ai}", ls=styles[fi % len(styles)],
+                            marker=markers[fi % len(markers)], ms=5, capsize=2, lw=1.2, elinewidth=0.8)
+                if key == "k3_kl_mean" and arm == BASE:
+                    for xx, yy, p in zip(x, y, pts):
+                        ax.annotate(p[2], (xx, yy), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set_title(title), ax.grid(alpha=0.3), ax.set_xscale("log")
+        ax.xaxis.set_major_locator(FixedLocator([0.5, 1, 2, 5, 10, 20, 50, 100]))
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%g")), ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("live routing disagreement without replay (%)")
         if logy:
             ax.set_yscale("log")
-    axes[0, 0].legend(fontsize=7)
+    handles = [Line2D([], [], color=f"C{i}", lw=2, label=arm) for i, arm in enumerate(arms)]
+    handles += [Line2D([], [], color="0.3", ls=styles[i % len(styles)], marker=markers[i % len(markers)],
+                       label=fam) for i, fam in enumerate(families)]
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 5), fontsize=8, frameon=False)
     fig.suptitle("replay_dose: outcome vs train–rollout mismatch per arm (95% CIs over seeds)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
