@@ -28,6 +28,12 @@ def final_reward(records: list[dict]) -> float:
     return float(np.mean([r["reward"] for r in records[-tail:]]))
 
 
+def first_reward(records: list[dict]) -> float:
+    """Mean reward over the first quarter of a run's steps: with ``final_reward``, whether it learned."""
+    head = max(1, len(records) // 4)
+    return float(np.mean([r["reward"] for r in records[:head]]))
+
+
 def _mean(records, key) -> float:
     return float(np.nanmean([r[key] for r in records]))
 
@@ -60,6 +66,7 @@ def cell_summary(per_seed: dict[int, list[dict]], seeds_wanted: int) -> dict:
     return {
         "seeds": len(runs), "complete": len(runs) >= seeds_wanted,
         "final_reward_mean": m, "final_reward_ci95": h, "final_reward_per_seed": finals,
+        "first_reward_mean": float(np.mean([first_reward(rs) for rs in runs])),
         "collapses": k, "collapse_rate": k / len(runs), "collapse_rate_ci95": wilson95(k, len(runs)),
         "live_routing_disagreement": float(np.nanmean(pooled("live_routing_disagreement"))),
         "k3_kl_mean": float(np.nanmean(pooled("k3_kl"))), "k3_kl_median": float(np.nanmedian(pooled("k3_kl"))),
@@ -137,14 +144,15 @@ def tables(summary: dict, complete_only: bool = True) -> str:
     """Markdown: one table of cells and one of paired comparisons (complete cells only by default)."""
     f = lambda v, d=3: "nan" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{d}g}"
     ratio = lambda v: "n/a (other invocations)" if v is None else f"{v:.2f}"
-    lines = ["| setting | arm | seeds | live disagreement | final reward | collapses | k3 KL (mean) | "
+    lines = ["| setting | arm | seeds | live disagreement | first → final reward | collapses | k3 KL (mean) | "
              "p99 \\|log ratio\\| | clip fraction | train s/step | rollout s/step |", "|" + "---|" * 11]
     for cell, c in summary["cells"].items():
         if complete_only and not c["complete"]:
             continue
         setting, arm = cell.rsplit("/", 1)
         lines.append(f"| {setting} | {arm} | {c['seeds']} | {c['live_routing_disagreement']:.2%} | "
-                     f"{c['final_reward_mean']:.3f} ± {f(c['final_reward_ci95'])} | {c['collapses']}/{c['seeds']} | "
+                     f"{c['first_reward_mean']:.3f} → {c['final_reward_mean']:.3f} ± {f(c['final_reward_ci95'])} | "
+                     f"{c['collapses']}/{c['seeds']} | "
                      f"{f(c['k3_kl_mean'])} | {f(c['abs_delta_p99'])} | {f(c['clip_fraction'])} | "
                      f"{c['train_s']:.2f} | {c['rollout_s']:.2f} |")
     lines += ["", "| setting | comparison | seeds | final reward diff (95% CI) | verdict | collapses diff | "

@@ -87,6 +87,8 @@ def test_summary_equals_a_recompute_from_the_stored_records(tmp_path):
     cell = stored["cells"]["s0.05-mb4/R3"]
     assert cell["final_reward_mean"] == pytest.approx(np.mean(finals))
     assert cell["final_reward_ci95"] == pytest.approx(4.302653 * np.std(finals, ddof=1) / math.sqrt(3), rel=1e-3)
+    assert cell["first_reward_mean"] == pytest.approx(np.mean([[r["reward"] for r in rs[:2]] for rs in recs.values()]))
+    assert cell["first_reward_mean"] < cell["final_reward_mean"]  # the stand-in's reward rises 0.01 a step
     # the paired comparison is of the same seeds' runs
     comp = next(c for c in stored["comparisons"] if (c["setting"], c["arm"]) == ("s0.05-mb4", "R3"))
     base = stored["runs"]["s0.05-mb4/none"]
