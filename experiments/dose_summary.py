@@ -165,7 +165,18 @@ def tables(summary: dict, complete_only: bool = True) -> str:
                      f"[{lo:+.3f}, {hi:+.3f}] | {c['verdict']} | {c['collapse_diff']:+d} | "
                      f"×{c['k3_ratio']:.2f} [{klo:.2f}, {khi:.2f}] | {c['p99_diff']:+.3f} [{plo:+.3f}, {phi:+.3f}] | "
                      f"{ratio(c['train_s_ratio'])} | {ratio(c['rollout_s_ratio'])} |")
+    if summary["comparisons"]:
+        lines += ["", chance_line(summary["comparisons"])]
     return "\n".join(lines)
+
+
+def chance_line(comps: list[dict]) -> str:
+    """How many reward verdicts are measured differences, beside what chance alone gives: each CI is
+    95%, so about one comparison in twenty excludes 0 with no effect anywhere."""
+    n = len(comps)
+    hits = [f"{c['setting']} {c['comparison']}" for c in comps if c["verdict"] != NEUTRAL]
+    return (f"{len(hits)} of {n} final-reward CIs exclude 0" + (f" ({', '.join(hits)})" if hits else "")
+            + f"; with no effect anywhere, about {n / 20:.1f} of {n} would by chance alone (each CI is 95%).")
 
 
 def plot(summary: dict, settings: dict, path: Path) -> None:

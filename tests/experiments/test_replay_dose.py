@@ -121,6 +121,9 @@ def test_every_verdict_follows_from_its_ci(tmp_path):
             seen.add(v.split()[1] if not v.startswith("no") else "none")
     assert {"higher", "lower", "none"} <= seen  # the planted effects give every kind of verdict
     assert ds.verdict(-0.1, 0.1, "h", "l") == ds.NEUTRAL
+    hits = [c for c in result["comparisons"] if c["verdict"] != ds.NEUTRAL]
+    assert ds.chance_line(result["comparisons"]).startswith(f"{len(hits)} of {len(result['comparisons'])} final-reward")
+    assert f"about {len(result['comparisons']) / 20:.1f} of" in ds.tables(result)
     assert ds.verdict(float("nan"), float("nan"), "h", "l") == "one seed: no conclusion"
 
 
