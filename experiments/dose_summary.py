@@ -131,11 +131,20 @@ def comparisons(runs: dict, cells: dict, provenance: dict | None = None) -> list
     return out
 
 
+def _ordered(cells: list[str]) -> list[str]:
+    """``"<setting>/<arm>"`` names grouped by setting (first stored first), none first within each, then
+    the other arms in the order they first appear: the tables read the same whichever process stored
+    a run first."""
+    settings = list(dict.fromkeys(c.rsplit("/", 1)[0] for c in cells))
+    arms = list(dict.fromkeys([BASE] + [c.rsplit("/", 1)[1] for c in cells]))
+    return sorted(cells, key=lambda c: (settings.index(c.rsplit("/", 1)[0]), arms.index(c.rsplit("/", 1)[1])))
+
+
 def summarize(runs: dict, seeds_wanted: int, provenance: dict | None = None) -> dict:
     """``{"cells", "comparisons"}`` from the stored runs (cells in the order they were stored) and,
     for the cost ratios, the runs' ``provenance[cell][seed]``."""
-    cells = {cell: cell_summary({int(s): rs for s, rs in per.items()}, seeds_wanted)
-             for cell, per in runs.items() if per}
+    cells = {cell: cell_summary({int(s): rs for s, rs in runs[cell].items()}, seeds_wanted)
+             for cell in _ordered([c for c, per in runs.items() if per])}
     norm = {cell: {int(s): rs for s, rs in per.items()} for cell, per in runs.items()}
     return {"cells": cells, "comparisons": comparisons(norm, cells, provenance)}
 

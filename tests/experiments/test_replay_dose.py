@@ -159,3 +159,10 @@ def test_cost_ratios_compare_only_runs_of_one_commit():
     assert "n/a (other invocations)" in ds.tables(ds.summarize(runs, 3, other))
     # the reward comparison still pairs every seed
     assert ratio(other)["seeds"] == 3 and ratio(other)["final_reward_diff"] == ratio(same)["final_reward_diff"]
+
+
+def test_cells_are_grouped_by_setting_with_none_first_whatever_the_storage_order():
+    recs = fake_run([])(SETTINGS[0], "none", 0)
+    runs = {c: {"0": recs} for c in ("s0.05-mb4/R3", "bf16/R3", "s0.05-mb4/none", "bf16/TIS", "bf16/none")}
+    assert list(ds.summarize(runs, 1)["cells"]) == ["s0.05-mb4/none", "s0.05-mb4/R3", "bf16/none", "bf16/R3",
+                                                    "bf16/TIS"]
