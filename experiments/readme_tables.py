@@ -309,15 +309,17 @@ SECTIONS = [
     Section("replay_dose", "Where replay pays: outcome against train–rollout mismatch, per arm",
             "python -m experiments.replay_dose",
             "A resumable grid of GRPO runs (the replay_rl model: 4 MoE layers, E = 64, top-8) over mismatch "
-            "settings × arms {none, R2, R3, TIS (cap 2), R3 + TIS} × seeds, paired over seeds; the steps, prompts and "
-            "samples per step are in the command's defaults and the result file. A setting names "
+            "settings × arms {none, R2, R3, TIS (cap 2, the ratio against the pre-update trainer logprobs), "
+            "R3 + TIS} × seeds, paired over seeds; the steps, prompts and samples per step are in the "
+            "command's defaults and the result file. A setting names "
             "its mismatch source (bf16 rollouts; `s<σ>`: *simulated* Gaussian noise of std σ on the rollout "
             "engine's router logits; int8 / fp8 weights; `sigmoid`: grouped sigmoid routing) and its off-policy "
             "degree (`mb<n>` minibatch updates per rollout batch, default 2; `ep<n>` epochs). Live disagreement: "
             "the trainer router's own top-k against the rollout's, in the first update of each batch. Final "
             "reward: mean of the last quarter of the steps ± 95% CI over seeds; p99 |log ratio|: median over "
             "steps of each step's p99 of |log π_train − log π_rollout| over targets. Only cells with every seed "
-            "are quoted.", replay_dose),
+            "are quoted. Most runs were made by two processes side by side on the 2 cores, so step seconds "
+            "are under load; a time ratio pairs only runs of one commit.", replay_dose),
     Section("replay_mismatch", "Train–rollout mismatch with and without replay", "python -m experiments.replay_mismatch",
             "Random-init models; the engine samples in bf16 (and fp32, the same-dtype control); an fp32 trainer "
             "scores the same tokens with and without replay. `live_*`: the trainer router's own top-k against "
