@@ -53,7 +53,7 @@ from experiments.dose_grid import drop_superseded, load, report, resummarize, ru
 ARMS = {"none": ("none", None), "R2": ("trainer", None), "R3": ("rollout", None),
         "TIS": ("none", "cap"), "R3+TIS": ("rollout", "cap")}
 PRECISIONS = ("bf16", "int8", "fp8")
-DEFAULT_SETTINGS = "bf16,s0.03,s0.01,s0.03-mb8,s0.003,mb8,fp8,sigmoid,int8,ep2,mb1,s0.03-mb1"
+DEFAULT_SETTINGS = "bf16,s0.03,s0.01,s0.03-mb8,s0.003,mb8,fp8,sigmoid,int8,ep2,mb1,s0.03-mb1,s0.01-mb8"
 # knobs every run of one grid shares: a stored grid with other values is not extended
 FIXED = ("steps", "prompts", "samples", "max_turns", "max_tokens", "lr", "warmup_steps", "experts", "top_k",
          "moe_layers", "expert_scale", "tis_cap")
