@@ -191,8 +191,9 @@ def chance_line(comps: list[dict]) -> str:
 def plot(summary: dict, settings: dict, path: Path) -> None:
     """Dose-response figure over complete cells: x = the live disagreement the setting causes without
     replay (its ``none`` cell, log scale), one colour per arm, nudged apart sideways so that the CIs
-    stay readable; settings that differ only in the mismatch source (same router and off-policy
-    degree) are joined by a line, one line style and marker per such family; the ``none`` points of
+    stay readable; settings that differ only in the simulated router noise (a σ sweep at one precision,
+    router and off-policy degree) are joined by a line, one line style and marker per router and
+    off-policy family, another precision a point of its own; the ``none`` points of
     the k3 panel carry their setting's name. Panels: final reward and collapse rate (95% CIs over
     seeds), k3 KL and median p99 |log ratio|; the legends sit below the panels."""
     import matplotlib
@@ -205,7 +206,10 @@ def plot(summary: dict, settings: dict, path: Path) -> None:
     cells = {k: v for k, v in summary["cells"].items() if v["complete"]}
     arms = list(dict.fromkeys(k.rsplit("/", 1)[1] for k in cells))
     families = list(dict.fromkeys(settings[s]["family"] for s in settings if f"{s}/{BASE}" in cells))
-    styles, markers = ["-", "--", ":", "-."], ["o", "s", "^", "D"]
+    styles, markers = ["-", "--", ":", "-.", (0, (5, 1)), (0, (1, 3))], ["o", "s", "^", "D", "v", "P"]
+    # a line joins settings that differ only in the simulated noise (a sweep); another precision of
+    # the same family is a point of its own
+    sweeps = list(dict.fromkeys((settings[s]["family"], settings[s].get("precision")) for s in settings))
     fig, axes = plt.subplots(2, 2, figsize=(12, 9))
     panels = [("final_reward_mean", "final reward (mean of last quarter)", False),
               ("collapse_rate", "collapse rate (reward < ½ peak for ≥ 5 steps)", False),
@@ -214,11 +218,12 @@ def plot(summary: dict, settings: dict, path: Path) -> None:
     for ax, (key, title, logy) in zip(axes.flat, panels):
         for ai, arm in enumerate(arms):
             nudge = 1.0 + 0.025 * (ai - (len(arms) - 1) / 2)  # multiplicative: the x axis is logarithmic
-            for fi, fam in enumerate(families):
+            for fam, precision in sweeps:
+                fi = families.index(fam) if fam in families else 0
                 pts = []
                 for s, meta in settings.items():
                     c, base = cells.get(f"{s}/{arm}"), cells.get(f"{s}/{BASE}")
-                    if meta["family"] == fam and c and base:
+                    if (meta["family"], meta.get("precision")) == (fam, precision) and c and base:
                         pts.append((base["live_routing_disagreement"], c, s))
                 if not pts:
                     continue
@@ -233,6 +238,7 @@ def plot(summary: dict, settings: dict, path: Path) -> None:
                 else:
                     err = None
                 ax.errorbar(x, y, yerr=err, color=f"C{ai}", ls=styles[fi % len(styles)],
+                            alpha=0.35 if key == "collapse_rate" else 1.0,
                             marker=markers[fi % len(markers)], ms=5, capsize=2, lw=1.2, elinewidth=0.8)
                 if key == "k3_kl_mean" and arm == BASE:
                     for xx, yy, p in zip(x, y, pts):
