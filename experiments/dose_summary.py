@@ -141,7 +141,7 @@ def _ordered(cells: list[str]) -> list[str]:
 
 
 def summarize(runs: dict, seeds_wanted: int, provenance: dict | None = None) -> dict:
-    """``{"cells", "comparisons"}`` from the stored runs (cells in the order they were stored) and,
+    """``{"cells", "comparisons"}`` from the stored runs (cells grouped by setting, none first) and,
     for the cost ratios, the runs' ``provenance[cell][seed]``."""
     cells = {cell: cell_summary({int(s): rs for s, rs in runs[cell].items()}, seeds_wanted)
              for cell in _ordered([c for c, per in runs.items() if per])}
