@@ -23,8 +23,14 @@ skyrl-client:
 
 venv: $(STAMP)
 
+# The suite over worker processes when pytest-xdist is installed (`-n auto`: one per core, at most one per
+# 6 GiB of memory, tests/conftest.py), a test file per worker at a time so the engines and servers a file
+# shares are built once; serially without it. The 15 slowest tests are printed. PYTEST_ARGS picks what
+# runs, the same way: `make test PYTEST_ARGS="tests/models -x"`; `make test XDIST=` runs serially.
+PYTEST_ARGS ?= tests
+XDIST ?= $(shell $(VENV)/bin/python -c "import xdist" 2>/dev/null && echo "-n auto --dist loadfile")
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest tests
+	$(VENV)/bin/python -m pytest $(XDIST) --durations=15 $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/python -m r3jax demo

@@ -9,14 +9,43 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 # R3JAX_TEST_COMPILATION_CACHE=0 (.ci/run on a fresh clone, where nothing could be reused): no cache, so
 # no executable is serialized in this process (XLA once aborted there, in the 8-device train step's entry)
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("R3JAX_TEST_COMPILATION_CACHE") != "0":
-    jax.config.update("jax_compilation_cache_dir",
-                      str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax-compilation"))
+    # one directory per pytest-xdist worker: JAX writes an entry in place, and a worker reading one that
+    # another is still writing would load a truncated executable
+    jax.config.update("jax_compilation_cache_dir", str(Path(__file__).resolve().parents[1] / ".pytest_cache"
+                                                       / "jax-compilation" / os.environ.get("PYTEST_XDIST_WORKER", "main")))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
+# Longest files first (measured: `make test` prints the slowest tests), so the workers of
+# `pytest -n auto --dist loadfile` finish together instead of one waiting on a long file picked up last.
+_LONG_FILES = ("r3jax/demo/test_demo.py", "r3jax/serve/test_peer_endpoints.py", "r3jax/serve/test_cluster.py",
+               "r3jax/train/test_step.py", "models/test_expert_parallel.py", "r3jax/serve/test_app.py",
+               "models/test_routers.py", "models/test_transformer.py", "r3jax/train/test_logits.py",
+               "r3jax/serve/test_skyrl_client.py", "r3jax/train/test_weight_sync.py", "r3jax/train/test_multiprocess.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        rel = Path(str(item.fspath)).resolve().relative_to(Path(__file__).resolve().parent).as_posix()
+        return _LONG_FILES.index(rel) if rel in _LONG_FILES else len(_LONG_FILES)
+    items.sort(key=rank)  # stable: the order within a file, and of the other files, is unchanged
+
+
+WORKER_BYTES = 6 << 30  # a worker's peak (the suite's largest engines and train steps)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: `-n auto`
+def pytest_xdist_auto_num_workers(config):
+    """One worker per core, but no more than memory holds at a worker's peak."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, min(cores, memory // WORKER_BYTES))
 
 
 # Every live XLA:CPU executable holds ~6 memory mappings, and the jit caches keep every program of the
