@@ -95,7 +95,7 @@ class PagedCache:
     def init_pool(cfg: MoeConfig, num_pages: int, page_size: int, *, bits: bool = False, dtype=None):
         """``(k, v)`` tuples of zeroed pages; ``bits``: stored as unsigned ints of the float's width."""
         dtype = np.dtype(cfg.dtype if dtype is None else dtype)
-        if bits and np.issubdtype(dtype, np.floating):
+        if bits and jnp.issubdtype(dtype, jnp.floating):  # np.issubdtype: False for bfloat16
             dtype = np.dtype(f"uint{8 * dtype.itemsize}")
         lay = cache_layout(cfg)
         zeros = lambda hd: tuple(jnp.zeros((len(ids), num_pages, page_size) + hd, dtype)

@@ -59,7 +59,8 @@ def _vector(i: int, name: str, value: Any, n: int | None, kind: str) -> np.ndarr
         raise ValueError(f"{field} shape={arr.shape}: expected {want}")
     ok = {"int": np.issubdtype(arr.dtype, np.integer),  # np.bool_ is not an np.integer
           "bool": arr.dtype == np.bool_,
-          "real": arr.dtype == np.bool_ or np.issubdtype(arr.dtype, np.number)}[kind]
+          # jnp.issubdtype: np.issubdtype calls bfloat16 (an ml_dtypes type) not a number
+          "real": arr.dtype == np.bool_ or jax.numpy.issubdtype(arr.dtype, jax.numpy.number)}[kind]
     if not ok:
         raise ValueError(f"{field} dtype={arr.dtype}: expected {kind} values")
     if kind == "real" and not np.all(np.isfinite(arr)):
@@ -83,7 +84,7 @@ def _trajectory(i: int, traj: Any, num_layers: int, top_k: int, num_experts: int
                          f"token has no logits predicting it)")
     logprobs = _vector(i, "rollout_logprobs", _get(traj, i, "rollout_logprobs"), n, "real")
     adv = _get(traj, i, "advantage")
-    if np.ndim(adv) != 0 or not np.issubdtype(np.asarray(adv).dtype, np.number) or not np.isfinite(adv):
+    if np.ndim(adv) != 0 or not jax.numpy.issubdtype(np.asarray(adv).dtype, jax.numpy.number) or not np.isfinite(adv):
         raise ValueError(f"trajectories[{i}].advantage={adv!r}: expected a finite float")
     routes = np.asarray(_get(traj, i, "routes"))
     if routes.shape != (n, num_layers, top_k):

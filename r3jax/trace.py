@@ -198,7 +198,7 @@ class RoutedExpertTrace:
         mask = np.asarray(loss_mask)
         if mask.shape != (n,):
             raise ValueError(f"loss_mask shape={mask.shape}: expected [N] = ({n},)")
-        if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.number):
+        if mask.dtype != np.bool_ and not jnp.issubdtype(mask.dtype, jnp.number):  # np.: bf16 is no number
             raise ValueError(f"loss_mask dtype={mask.dtype}: expected bool or numeric")
         late = np.flatnonzero(mask[s + 1:])
         if late.size:

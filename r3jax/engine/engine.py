@@ -297,6 +297,16 @@ class Engine:
                             prefill_rows=bucket(prefill_rows, self._prefill_buckets), prefill_len=self.prefill_chunk,
                             pages_per_row=self._pages_per_row, block_pages=self._block_pages)
 
+    def step_program(self, decode_rows: int | None = None, prefill_rows: int = 0):
+        """The compiled step program of the layout that serves ``decode_rows`` decode rows (default
+        ``max_batch_size``) and ``prefill_rows`` prefill rows: a ``jax.stages.Compiled`` whose
+        ``as_text()``, ``cost_analysis()`` and ``memory_analysis()`` show what one step does. Compiled
+        on first use, like every step (by the scheduler thread, between steps)."""
+        lay = self.layout(self.max_batch_size if decode_rows is None else decode_rows, prefill_rows)
+        get = lambda: self.programs.get("step", lay, lambda: self._build_step(lay),
+                                        *self._step_args(self._abstract_inputs(lay)))
+        return self._sched.control(get, drain=False, abort=False)
+
     def _warmup(self) -> dict:
         t0, before = time.perf_counter(), len(self.programs)
         for lay in self.layouts():

@@ -32,6 +32,19 @@ def _traj(n, seed, uncaptured=1):
 TRAJS = [_traj(5, 1), _traj(7, 2), _traj(3, 3, uncaptured=0)]
 
 
+
+def test_bf16_loss_mask_logprobs_and_advantage_are_real_values():
+    """bfloat16 (an ml_dtypes type, which np.issubdtype calls no number) is accepted where floats are."""
+    bf16 = [{**t, "loss_mask": t["loss_mask"].astype(jnp.bfloat16),
+             "rollout_logprobs": t["rollout_logprobs"].astype(jnp.bfloat16),
+             "advantage": np.asarray(t["advantage"], jnp.bfloat16)} for t in TRAJS]
+    got = collate(bf16, buckets=(8,), num_experts=E, top_k=K, num_layers=L)
+    want = collate([{**t, "rollout_logprobs": t["rollout_logprobs"].astype(jnp.bfloat16).astype(np.float32)}
+                    for t in TRAJS], buckets=(8,), num_experts=E, top_k=K, num_layers=L)
+    for name in ("loss_mask", "rollout_logprobs", "advantages", "routes", "route_mask"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+
+
 def _check_segment(batch, row, offset, traj):
     n = len(traj["tokens"])
     span = slice(offset, offset + n)

@@ -100,6 +100,15 @@ def test_finalize_refuses_target_after_gap_and_accepts_one_at_prompt_start():
     with pytest.raises(ValueError, match="no routes recorded"):
         RoutedExpertTrace().finalize(token_count=0, loss_mask=np.zeros(0))
 
+    # a bf16 mask is numeric (np.issubdtype says it is not); a string mask is refused by name
+    late16 = late.astype(jnp.bfloat16)
+    with pytest.raises(ValueError, match="missing routed-expert row for loss-active target at token 9"):
+        t.finalize(token_count=10, loss_mask=late16)
+    np.testing.assert_array_equal(t.finalize(token_count=9, loss_mask=ok.astype(jnp.bfloat16))[1],
+                                  t.finalize(token_count=9, loss_mask=ok)[1])
+    with pytest.raises(ValueError, match="loss_mask dtype=<U1: expected bool or numeric"):
+        t.finalize(token_count=9, loss_mask=np.array(list("a" * 9)))
+
 
 def test_record_rejections():
     _, t1, _ = _two_turns()
