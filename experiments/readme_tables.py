@@ -62,6 +62,8 @@ def demo(d: dict) -> str:
             "live_routing_disagreement"]
     rows = [{c: _pm(r.get(c)) for c in cols if c in r} for r in d["runs"]]
     out = _t(rows, cols)
+    if d.get("wall_s"):
+        out += f"\n\nThe whole run took {d['wall_s']:.0f} s of wall time ({d['wall_s'] / 60:.1f} min), server start included."
     e = d.get("replay_effect")
     if e:
         out += (f"\n\nReplay − no replay, {e['metric']}, paired over seeds {e['seeds']}: "

@@ -5,7 +5,15 @@ engine's warmed-up programs from disk instead of compiling them again."""
 import os
 from pathlib import Path
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# LLVM at -O0 without its expensive passes: the suite's time is compiling (hundreds of small programs,
+# each run a few times), and -O0 compiles them faster. What a test checks (equal arrays, equal routes)
+# holds at any level, but the level can change floating-point results in the last bit (fused
+# multiply-adds), so every process of a test that compares across processes gets the same flags:
+# subprocesses take R3JAX_TEST_XLA_FLAGS (these flags without the device count).
+TEST_XLA_FLAGS = (os.environ.get("XLA_FLAGS", "") +
+                  " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true").strip()
+os.environ["R3JAX_TEST_XLA_FLAGS"] = TEST_XLA_FLAGS
+os.environ["XLA_FLAGS"] = TEST_XLA_FLAGS + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

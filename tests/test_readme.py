@@ -40,7 +40,8 @@ def test_quickstart_runs_in_a_fresh_interpreter(tmp_path):
     script.write_text(code)
     # A fresh user's environment: CPU, one device (no simulated-device flags from this test run).
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    # (the suite's codegen flags: compiling is most of this test's time)
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS=os.environ.get("R3JAX_TEST_XLA_FLAGS", ""))
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, f"quickstart failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"

@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import os
 import sys
+import time
 from pathlib import Path
 
 
@@ -43,6 +44,9 @@ def parse_args(argv):
     ap.add_argument("--max-turns", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=4, help="tokens per turn")
     ap.add_argument("--max-seq-len", type=int, default=128)
+    ap.add_argument("--decode-buckets", type=int, default=3,
+                    help="decode-row sizes the rollout engine compiles a program for (1: a third of the "
+                         "programs, a faster warm-up; every step padded to the full batch)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup-steps", type=int, default=30, help="supervised steps on demonstrations")
@@ -64,17 +68,18 @@ def parse_args(argv):
 def main(argv=None) -> dict:
     """Runs the demo; returns the summary. A mismatching checkpoint or a failed checkpoint write
     raises SystemExit with the error (exit status 1)."""
+    started = time.perf_counter()
     args = parse_args(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     from r3jax.train import CheckpointMismatchError, CheckpointReadError, CheckpointWriteError
 
     try:
-        return _main(args)
+        return _main(args, started)
     except (CheckpointMismatchError, CheckpointReadError, CheckpointWriteError) as e:
         raise SystemExit(f"r3jax demo: error: {e}") from e
 
 
-def _main(args) -> dict:
+def _main(args, started: float) -> dict:
     import jax
 
     from r3jax.demo.report import report
@@ -103,4 +108,4 @@ def _main(args) -> dict:
                 run(argparse.Namespace(**{**vars(args), "seed": seed}), mode, model, mesh, rollouts,
                     out / mode / f"seed{seed}")
         transfer = transfer_per_turn(args, rollouts)
-    return report(modes, seeds, transfer, out)
+    return report(modes, seeds, transfer, out, started=started)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -142,9 +143,11 @@ def plot(runs: dict[str, dict[int, list[dict]]], transfer: dict, path: Path) -> 
     plt.close(fig)
 
 
-def report(modes, seeds, transfer: dict, out: Path) -> dict:
+def report(modes, seeds, transfer: dict, out: Path, started: float | None = None) -> dict:
     """Reads every run's full metrics.jsonl (a resumed run included), writes demo.png and
-    summary.json, prints the summary table and the measured replay effect; returns the summary."""
+    summary.json, prints the summary table and the measured replay effect; returns the summary.
+    ``started``: the demo's ``time.perf_counter()`` at start; its total wall time ends the output and
+    is stored as ``wall_s``."""
     runs = {m: {s: load_metrics(out / m / f"seed{s}") for s in seeds} for m in modes}
     rows = summarize(runs)
     diff = difference(runs)
@@ -154,7 +157,10 @@ def report(modes, seeds, transfer: dict, out: Path) -> dict:
     if diff is not None:
         print(f"replay − no replay, reward over the last quarter: {diff['replay_minus_none']:+.4f} ± "
               f"{diff['ci95']:.4f} (95% CI, {len(diff['seeds'])} paired seeds): {diff['verdict']}")
-    summary = {"runs": rows, "replay_effect": diff, "transfer_bytes_per_turn": transfer}
+    wall = None if started is None else round(time.perf_counter() - started, 1)
+    summary = {"runs": rows, "replay_effect": diff, "transfer_bytes_per_turn": transfer, "wall_s": wall}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"wrote {out / 'demo.png'}, {out / 'summary.json'}, <mode>/seed<s>/metrics.jsonl, <mode>/seed<s>/ckpt/")
+    if wall is not None:
+        print(f"r3jax demo: done in {wall:.0f} s ({wall / 60:.1f} min) of wall time")
     return summary

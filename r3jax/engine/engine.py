@@ -271,8 +271,10 @@ class Engine:
         return self._sched.control(self._warmup, drain=False, abort=False)
 
     def close(self) -> None:
-        """Stop the scheduler; requests not finished fail with :class:`EngineClosed`."""
+        """Stop the scheduler (requests not finished fail with :class:`EngineClosed`) and release this
+        engine's compiled programs: the process-wide cache frees those no other live engine holds."""
         self._sched.close()
+        self.programs.release()
 
     # ---- loop callbacks (scheduler thread only) ----------------------------------------------------
     def _swap(self, placed, rest) -> int:

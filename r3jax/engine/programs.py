@@ -49,42 +49,72 @@ def bucket(n: int, sizes: list[int]) -> int:
     return sizes[-1]
 
 
-# Compiled programs shared by every engine of an equal configuration (a rebuilt engine, a second engine
-# in one process, a test suite), so none compiles twice. Key: (engine key, program name, bucket).
-_SHARED: dict[Hashable, Any] = {}
+# Compiled programs shared by every live engine of an equal configuration (a rebuilt engine, a second
+# engine in one process, a test suite), so none compiles twice. Key: (engine key, program name, bucket);
+# value: [executable, engines holding it]. An entry goes when the last engine holding it is closed: a
+# live XLA executable keeps its code mapped, and a long-lived process that builds many engines (a test
+# run, a sweep) would otherwise keep every program it ever compiled.
+_SHARED: dict[Hashable, list] = {}
 _SHARED_LOCK = threading.Lock()
+
+
+def shared_programs() -> int:
+    """Programs held in the process-wide cache (by live, unclosed engines)."""
+    with _SHARED_LOCK:
+        return len(_SHARED)
 
 
 class Programs:
     """The compiled programs one engine uses. ``run(name, bucket, build, *args)`` calls the program
     ``(name, bucket)``, compiling it on first use from ``build() -> (fn, jit_kwargs)`` lowered at
-    ``args``. ``len(self)`` is the number of distinct programs this engine has needed."""
+    ``args``. ``len(self)`` is the number of distinct programs this engine has needed; :meth:`release`
+    (``Engine.close``) drops them, and the process-wide cache frees those no other engine holds."""
 
     def __init__(self, engine_key: Hashable):
         self._key = engine_key
         self._exe: dict[tuple, Any] = {}
+        self._needed: set[tuple] = set()  # kept after release: stats still count them
+        self._released = False
         self.compiles = 0  # programs this process compiled for this engine (0 when shared ones were reused)
 
     def __len__(self) -> int:
-        return len(self._exe)
+        return len(self._needed)
 
     def __contains__(self, name_bucket: tuple) -> bool:
-        return name_bucket in self._exe
+        return name_bucket in self._needed
 
     def get(self, name: str, bucket_key: Hashable, build: Callable[[], tuple[Callable, dict]], *args):
         key = (name, bucket_key)
         exe = self._exe.get(key)
         if exe is None:
+            if self._released:
+                raise RuntimeError("engine programs released (the engine is closed)")
             shared = (self._key, key)
             with _SHARED_LOCK:
-                exe = _SHARED.get(shared)
-                if exe is None:
+                entry = _SHARED.get(shared)
+                if entry is None:
                     fn, kw = build()
-                    exe = jax.jit(fn, **kw).lower(*args).compile()
-                    _SHARED[shared] = exe
+                    entry = _SHARED[shared] = [jax.jit(fn, **kw).lower(*args).compile(), 0]
                     self.compiles += 1
+                entry[1] += 1
+                exe = entry[0]
             self._exe[key] = exe
+            self._needed.add(key)
         return exe
 
     def run(self, name: str, bucket_key: Hashable, build, *args):
         return self.get(name, bucket_key, build, *args)(*args)
+
+    def release(self) -> None:
+        """Drop this engine's programs; the shared cache frees each one no other live engine holds."""
+        with _SHARED_LOCK:
+            if self._released:
+                return
+            self._released = True
+            for key in self._exe:
+                entry = _SHARED.get((self._key, key))
+                if entry is not None:
+                    entry[1] -= 1
+                    if entry[1] <= 0:
+                        del _SHARED[(self._key, key)]
+            self._exe.clear()

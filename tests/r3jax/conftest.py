@@ -81,7 +81,7 @@ def start_process(port: int, *args: str, cache_dir: Path) -> subprocess.Popen:
     ``cache_dir`` (shared by the test's server processes only) makes restarts cheap."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-           "XLA_FLAGS": ""}
+           "XLA_FLAGS": os.environ.get("R3JAX_TEST_XLA_FLAGS", "")}  # one device
     cmd = [sys.executable, "-m", "r3jax", "serve", "--model", "tiny", "--host", "127.0.0.1",
            "--port", str(port), *args]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -2,7 +2,9 @@
 checkpoints and plots; --resume continues from the saved step."""
 
 import json
+import os
 import shutil
+import time
 
 import numpy as np
 
@@ -10,7 +12,8 @@ from r3jax.demo import main
 from r3jax.demo.report import COLUMNS, summarize, table
 
 SMALL = ["--steps", "2", "--prompts", "2", "--samples", "2", "--warmup-steps", "2", "--max-turns", "2",
-         "--max-tokens", "3", "--max-seq-len", "64", "--save-every", "1", "--no-progress", "--seeds", "1"]
+         "--max-tokens", "3", "--max-seq-len", "64", "--save-every", "1", "--no-progress", "--seeds", "1",
+         "--decode-buckets", "1"]  # a third of the engine's programs
 
 
 def _records(path):
@@ -19,7 +22,10 @@ def _records(path):
 
 def test_in_process_run_writes_outputs_and_resumes(tmp_path, capsys):
     out = tmp_path / "demo"
+    t0 = time.perf_counter()
     main(SMALL + ["--in-process", "--replay", "rollout", "--out", str(out)])
+    wall = time.perf_counter() - t0
+    printed = capsys.readouterr().out.strip().splitlines()
     recs = _records(out / "rollout" / "seed0" / "metrics.jsonl")
     assert [r["step"] for r in recs] == [1, 2]
     assert all(r["fallback_fraction"] == 0.0 for r in recs)  # every target's predicting row was captured
@@ -30,6 +36,8 @@ def test_in_process_run_writes_outputs_and_resumes(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["runs"][0]["steps"] == 2 and summary["runs"][0]["seeds"] == [0]
     assert summary["replay_effect"] is None  # one mode: nothing to compare
+    assert 0 < summary["wall_s"] <= wall + 0.1  # the run's own total, printed last
+    assert printed[-1] == f"r3jax demo: done in {summary['wall_s']:.0f} s ({summary['wall_s'] / 60:.1f} min) of wall time"
     inc, full = summary["transfer_bytes_per_turn"]["incremental"], summary["transfer_bytes_per_turn"]["full_regather"]
     assert inc[0] == full[0] and inc[1] < full[1]  # turn 2 re-sends the whole prefix without the start
 
@@ -46,7 +54,9 @@ def test_in_process_run_writes_outputs_and_resumes(tmp_path, capsys):
     assert 3 in [int(p.name) for p in (out / "rollout" / "seed0" / "ckpt").iterdir() if p.name.isdigit()]
 
 
-def test_server_run_with_and_without_replay_over_seeds(tmp_path, capsys):
+def test_server_run_with_and_without_replay_over_seeds(tmp_path, capsys, monkeypatch):
+    # the server subprocess on one device (it inherits this environment; the trainer here keeps 8)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("R3JAX_TEST_XLA_FLAGS", ""))
     out = tmp_path / "demo"
     summary = main(SMALL + ["--steps", "1", "--replay", "both", "--out", str(out), "--seeds", "2", "--seed", "3"])
     for mode in ("rollout", "none"):

@@ -19,7 +19,7 @@ from r3jax.demo import main
 ROOT = Path(__file__).resolve().parents[3]
 SMALL = ["--prompts", "2", "--samples", "2", "--warmup-steps", "0", "--max-turns", "2", "--max-tokens", "3",
          "--max-seq-len", "64", "--save-every", "1", "--no-progress", "--in-process", "--replay", "rollout",
-         "--seeds", "1"]
+         "--seeds", "1", "--decode-buckets", "1"]  # a third of the engine's programs
 
 
 def _steps(path):
@@ -83,7 +83,8 @@ main(sys.argv[1:])
 
 def test_a_failing_checkpoint_write_stops_the_run_with_the_error(tmp_path):
     out = tmp_path / "demo"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": os.environ.get("R3JAX_TEST_XLA_FLAGS", "")}  # one device: this is about the failure
     proc = subprocess.run([sys.executable, "-c", _BREAK_AT_STEP_2, *SMALL, "--steps", "4", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]

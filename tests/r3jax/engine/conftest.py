@@ -15,7 +15,7 @@ REF_ROWS, REF_LEN = 4, 64  # the reference forward always runs at this shape: on
 # 24 pages of 8 tokens: three requests of max_seq_len at once, so a full engine runs out of pages
 # before it runs out of slots and cached prefixes are evicted under pressure in ordinary tests
 ENGINE_KW = dict(max_seq_len=64, max_batch_size=4, block_size=8, prefill_chunk=32, prefill_rows=2, num_pages=25,
-                 moe_impl="dense")  # dense: the cheapest kernel to compile (gather: test_kernels.py)
+                 decode_buckets=1, moe_impl="dense")  # one decode bucket: 3 programs (decode_buckets: test_compilation.py)  # dense: the cheapest kernel to compile (gather: test_kernels.py)
 
 
 @pytest.fixture(scope="session")

@@ -94,3 +94,24 @@ def test_decode_buckets_sets_the_program_set(tiny_model):
     with pytest.raises(FieldError, match="decode_buckets") as e:
         Engine(tiny_model, decode_buckets=0, **kw)
     assert e.value.field == "decode_buckets" and e.value.value == 0
+
+
+def test_close_frees_programs_no_other_live_engine_holds(tiny_model, make_engine):
+    """Engines of one configuration share compiled programs; closing one keeps them for the other,
+    closing the last frees them from the process-wide cache (a live executable keeps its code mapped)."""
+    from r3jax.engine.programs import shared_programs
+
+    kw = dict(num_pages=27, decode_buckets=1, prefill_rows=1)  # a configuration no other test uses
+    base = shared_programs()
+    a, b = make_engine(tiny_model, **kw), make_engine(tiny_model, **kw)
+    a.step_program(prefill_rows=0)
+    assert shared_programs() == base + 1 and a.programs.compiles == 1
+    b.step_program(prefill_rows=0)  # shared: nothing compiled
+    assert shared_programs() == base + 1 and b.programs.compiles == 0
+    a.close()
+    assert shared_programs() == base + 1  # b still holds it
+    assert len(a.programs) == 1  # what the closed engine needed is still counted
+    b.close()
+    assert shared_programs() == base
+    with pytest.raises(Exception, match="closed"):
+        b.step_program(prefill_rows=0)

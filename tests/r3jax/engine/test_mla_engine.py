@@ -16,8 +16,9 @@ from r3jax.engine.sharding import make_mesh
 MLA = dict(attention="mla", num_heads=4, num_kv_heads=4, head_dim=12, qk_rope_head_dim=4, q_lora_rank=16,
            kv_lora_rank=8, v_head_dim=8, router="sigmoid_bias_grouped", n_group=4, topk_group=2,
            routed_scaling_factor=2.5, num_shared_experts=1, qk_norm=False)
-# one prefill row of 16 tokens: few step programs per engine
-KW = dict(max_seq_len=16, max_batch_size=4, block_size=8, prefill_chunk=16, prefill_rows=1, moe_impl="dense")
+# one prefill row of 16 tokens and one decode bucket: two step programs per engine
+KW = dict(max_seq_len=16, max_batch_size=4, block_size=8, prefill_chunk=16, prefill_rows=1, decode_buckets=1,
+          moe_impl="dense")
 V = MoeConfig.tiny().vocab_size
 
 

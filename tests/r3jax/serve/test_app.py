@@ -27,7 +27,7 @@ def model():
 
 # the engine tests' configuration (tests/r3jax/engine/conftest.py): run together, they share programs
 ENGINE_KW = dict(max_seq_len=MAX_SEQ_LEN, max_batch_size=4, block_size=8, prefill_chunk=32,
-                 prefill_rows=2, moe_impl="dense")
+                 prefill_rows=2, decode_buckets=1, moe_impl="dense")
 
 
 @pytest.fixture(scope="module")
@@ -205,12 +205,18 @@ _deep = st.integers(900, 1001).map(lambda n: b'{"prompt_ids": [1], "sampling_par
                                    + b"1" + b"]" * n + b"}}")  # nested to the JSON reader's limit
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-@given(obj=st.one_of(_valid_body, _body, _body, _any),
-       raw=st.one_of(st.none(), st.none(), st.none(), st.binary(max_size=20), _deep))
-def test_fuzzed_bodies_never_5xx(http, obj, raw):
+@pytest.fixture(scope="module")
+def host_only(serve_helpers):
+    """The same app over a JAX-free engine: every check a body meets before device work, no device."""
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(serve_helpers.FakeEngine(max_seq_len=MAX_SEQ_LEN), max_body_bytes=64 << 10)) as c:
+        yield c
+
+
+def _post_fuzzed(client, obj, raw):
     content = raw if raw is not None else json.dumps(obj, allow_nan=True).encode()
-    r = http.post("/v1/generate", content=content)
+    r = client.post("/v1/generate", content=content)
     event(f"HTTP {r.status_code}")
     assert r.status_code in (200, 400, 422), r.text
     assert r.headers["X-Weight-Version"].lstrip("-").isdigit()
@@ -219,6 +225,24 @@ def test_fuzzed_bodies_never_5xx(http, obj, raw):
         assert 1 <= len(out["output_ids"]) <= obj["sampling_params"].get("max_tokens", 16)
     else:
         assert out["error"] == "invalid_request" and isinstance(out["field"], str) and out["detail"]
+    return r.status_code, out.get("field")
+
+
+_fuzz_bodies = dict(obj=st.one_of(_valid_body, _body, _body, _any),
+                    raw=st.one_of(st.none(), st.none(), st.none(), st.binary(max_size=20), _deep))
+
+
+# The validation runs on the host before any device work: many bodies against it, a few on the engine
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(**_fuzz_bodies)
+def test_fuzzed_bodies_never_5xx_host_side(host_only, obj, raw):
+    _post_fuzzed(host_only, obj, raw)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(**_fuzz_bodies)
+def test_fuzzed_bodies_never_5xx_and_the_engine_agrees_with_the_host_checks(http, host_only, obj, raw):
+    assert _post_fuzzed(http, obj, raw) == _post_fuzzed(host_only, obj, raw)
 
 
 def test_auth_on_and_off(served, serve_helpers):

@@ -19,7 +19,8 @@ import pytest
 from r3jax.engine import GenerateRequest
 from r3jax.serve import RemoteInferenceClient
 
-ARGS = ("--max-batch-size", "2", "--max-seq-len", "64")
+# one decode bucket and one prefill row (2 + 64 tokens a step): 2 programs to compile
+ARGS = ("--max-batch-size", "2", "--max-seq-len", "64", "--decode-buckets", "1", "--max-num-batched-tokens", "66")
 
 
 @pytest.fixture(scope="module")

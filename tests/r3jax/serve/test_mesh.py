@@ -19,7 +19,7 @@ from r3jax.serve.server import build_mesh, mesh_shape, parse_args
 # the engine tests' configuration (tests/r3jax/engine/conftest.py); prefix cache off and one prefill
 # row bucket on both servers: fewer programs to compile, and the two engines run the same steps
 ENGINE_KW = dict(max_seq_len=64, max_batch_size=4, block_size=8, prefill_chunk=32, prefill_rows=1, num_pages=25,
-                 moe_impl="dense", prefix_cache_bytes=0)
+                 decode_buckets=1, moe_impl="dense", prefix_cache_bytes=0)
 EP_FLAGS = ["--tensor-parallel-size", "2", "--data-parallel-size", "4", "--enable-expert-parallel"]
 V = MoeConfig.tiny().vocab_size
 

@@ -27,7 +27,7 @@ from r3jax.serve import RemoteInferenceClient, RemoteInputError, create_app
 
 # the engine tests' configuration (tests/r3jax/serve/test_app.py): the same programs, from the cache
 ENGINE_KW = dict(max_seq_len=64, max_batch_size=4, block_size=8, prefill_chunk=32,
-                 prefill_rows=2, moe_impl="dense")
+                 prefill_rows=2, decode_buckets=1, moe_impl="dense")
 PROTOCOLS = [("r3jax", True), ("r3jax", False), ("skyrl", False), ("vllm", False), ("sglang", False)]
 FIRST, OBSERVATION = [256, 259, 72, 105, 260], [257, 259, 79, 107, 260]  # ByteTokenizer dialogue pieces
 

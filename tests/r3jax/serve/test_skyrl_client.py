@@ -17,7 +17,8 @@ from r3jax.serve import RemoteInferenceClient
 from r3jax.serve.peers import skyrl
 from r3jax.trace import RoutedExpertTrace
 
-ARGS = ("--max-batch-size", "2", "--max-seq-len", "64")  # test_cluster.py's servers: the same cached programs
+# one decode bucket and one prefill row (2 + 64 tokens a step): 2 programs to compile
+ARGS = ("--max-batch-size", "2", "--max-seq-len", "64", "--decode-buckets", "1", "--max-num-batched-tokens", "66")  # test_cluster.py's servers: the same cached programs
 # SkyRL's default vLLM sampling params (inference_servers/engine_utils.py get_vllm_sampling_params),
 # greedy so both clients see the same tokens
 SKYRL_SAMPLING = {"min_tokens": 1, "skip_special_tokens": True, "include_stop_str_in_output": True,

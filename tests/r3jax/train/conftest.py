@@ -76,7 +76,7 @@ def tiny():
 @pytest.fixture(scope="session")
 def engine(tiny):
     cfg, model = tiny
-    return Engine(model, max_seq_len=64, max_batch_size=4)
+    return Engine(model, max_seq_len=64, max_batch_size=4, decode_buckets=1, prefill_rows=1)
 
 
 @pytest.fixture(scope="session")

@@ -66,7 +66,8 @@ def test_two_processes_train_like_one_and_checkpoints_cross_process_counts(tmp_p
     os.remove(ckpt_dir / "5" / "commit_success.txt")
 
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
-    env.update(JAX_PLATFORMS="cpu", NPROC="8", TF_CPP_MIN_LOG_LEVEL="3")
+    env.update(JAX_PLATFORMS="cpu", NPROC="8", TF_CPP_MIN_LOG_LEVEL="3",
+               XLA_FLAGS=os.environ.get("R3JAX_TEST_XLA_FLAGS", ""))  # this process's codegen: same bits
     common = ["--data", str(rows), "--batch-size", str(BATCH), "--mesh", MESH, "--steps", "2",
               "--compilation-cache", str(ROOT / ".pytest_cache" / "jax-compilation")]
     # Both jobs at once; leaving the block kills whatever still runs (a failure, a timeout).

@@ -90,7 +90,7 @@ def test_serve_reads_params_files_without_importing_the_trainer(tiny, tmp_path):
     code = (f"import sys; from r3jax.serve import weights; m = weights.build_model({str(path)!r}, config='tiny'); "
             "bad = sorted(n for n in sys.modules if n.startswith('r3jax.train')); "
             "assert not bad, bad; print('ok', type(m).__name__)")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), "XLA_FLAGS": os.environ.get("R3JAX_TEST_XLA_FLAGS", "")}
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "ok MoeTransformer" in proc.stdout, proc.stderr[-2000:]
