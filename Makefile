@@ -41,7 +41,7 @@ demo: $(STAMP)
 # venv, run it with `make scale-plan`. BENCH_ARGS passes options to every script (e.g. --quick); the demo
 # (experiments.train_multiturn, published to experiments/results/demo_summary.json) takes DEMO_ARGS.
 # Then `python -m experiments.readme_tables --write` regenerates docs/measurements.md and the README figures.
-BENCH := bench_model bench_trace bench_decode bench_serve bench_engine transfer_cost replay_mismatch \
+BENCH := bench_model bench_trace bench_decode bench_serve bench_engine bench_dtype transfer_cost replay_mismatch \
 	bench_scan bench_multiprocess bench_ep bench_attention bench_logits interop routers replay_rl
 bench: $(STAMP)
 	@echo "make bench: skipping scale_plan (needs the TPU compiler venv): run 'make scale-plan'"

@@ -8,7 +8,7 @@ record, or written with uncommitted changes, gets a line saying which command to
 its table. Speed ratios against a peer are shown only for decodes that produced the peer's tokens,
 and metrics that replay forces to zero (disagreement of the routes *used*) are left out.
 ``--write`` rewrites docs/measurements.md and the blocks between ``<!-- NAME -->`` / ``<!-- /NAME -->``
-markers in README.md; without it the Markdown is printed.
+markers in README.md and docs/testing.md; without it the Markdown is printed.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from experiments.common import RESULTS, is_clean, table
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 MEASUREMENTS = ROOT / "docs" / "measurements.md"
+TESTING = ROOT / "docs" / "testing.md"
 
 
 def load(name: str) -> dict | None:
@@ -287,6 +288,33 @@ def bench_paged(d: dict) -> str:
     return out
 
 
+def bench_dtype(d: dict) -> str:
+    cols = ["config", "dtype", "pool_dtype", "round_s", "steps", "step_ms", "tokens_per_s", "host_wait_ms",
+            "bf16_over_fp32"]
+    return (_t(d["rows"], cols) + f"\n\n{d['batch']} requests × {d['new']} sampled tokens ({d['prompt']}-token "
+            f"prompts, routes returned) a round; median of {d['rounds']} rounds per engine, the engines taking turns.")
+
+
+def suite_time(d: dict) -> str:
+    """docs/testing.md's block: the suite on a fresh clone, parallel (and serial where measured)."""
+    runs = [r for mode in ("parallel", "serial") if (r := d.get(mode)) and is_clean(r)]
+    if not runs:
+        return "Not measured on a released commit yet: run `python -m experiments.suite_time`."
+    out = []
+    for r in runs:
+        flag = " --serial" if r["mode"] == "serial" else ""
+        out.append(f"`python -m experiments.suite_time{flag}` on a fresh clone of `{r['commit']}` ({r['cores']} CPU "
+                   f"cores): `make venv` {r['venv_s']:.0f} s, the tests ({r['mode']}) {r['tests_s']:.0f} s, "
+                   f"{r['passed']} passed, {r['skipped']} skipped, {r['failed']} failed.")
+    folders = {f for r in runs for f in r["per_folder_s"]}
+    rows = [{"folder": f, **{f"{r['mode']} s": r["per_folder_s"].get(f, "") for r in runs}}
+            for f in sorted(folders, key=lambda f: -runs[0]["per_folder_s"].get(f, 0))]
+    slow = runs[0]["slowest"][:15]
+    return ("\n".join(out) + "\n\nSeconds per folder (setup + call + teardown, summed over the workers):\n\n"
+            + table(rows, list(rows[0])) + f"\n\nThe slowest tests ({runs[0]['mode']}):\n\n"
+            + table(slow, ["seconds", "phase", "test"]))
+
+
 @dataclass(frozen=True)
 class Section:
     name: str            # experiments/results/<name>.json
@@ -344,6 +372,11 @@ SECTIONS = [
             "for small_100m an XLA:CPU device step (63 ms at B = 8) longer than HF's whole step (48 ms). The slot "
             "engine it replaced decoded 8 tokens per device call and measured tiny 4.9× / 2.5× HF at B = 8 / 32 "
             "and small_100m 2.0× / 0.90× (its result file predates provenance records).", bench_decode),
+    Section("bench_dtype", "The rollout engine in bf16 and fp32", "python -m experiments.bench_dtype",
+            "One fp32 model, two engines of the same shape: `Engine(dtype=jnp.bfloat16)` (a bf16 rollout server) "
+            "and fp32, on tiny and the peer config. On CPU the page pool keeps 16-bit floats as their uint16 "
+            "bits (`pool_dtype`): XLA:CPU would otherwise convert the whole pool to f32 on every step, which "
+            "made a bf16 step 17–27× an fp32 one.", bench_dtype),
     Section("bench_engine", "Continuous batching", "python -m experiments.bench_engine",
             "Async multi-turn agents over HTTP on a long-tailed mix of turn lengths, the paged engine's continuous "
             "batching against its `--static` batch-to-completion mode (`python -m r3jax serve --model tiny`, 32 "
@@ -525,6 +558,11 @@ def readme_blocks() -> dict[str, str]:
             + "\n\n![demo](experiments/results/demo.png)"}
 
 
+def testing_blocks() -> dict[str, str]:
+    """docs/testing.md's generated block: the suite's measured time."""
+    return {"SUITE_TIME": suite_time(load("suite_time") or {})}
+
+
 def fill_markers(text: str, blocks: dict[str, str]) -> str:
     for name, md in blocks.items():
         pattern = re.compile(rf"<!-- {name} -->.*?<!-- /{name} -->", re.S)
@@ -536,6 +574,7 @@ def write(readme: Path = README, page: Path = MEASUREMENTS) -> None:
     page.parent.mkdir(parents=True, exist_ok=True)
     page.write_text(measurements())
     readme.write_text(fill_markers(readme.read_text(), readme_blocks()))
+    TESTING.write_text(fill_markers(TESTING.read_text(), testing_blocks()))
 
 
 def main():
@@ -547,7 +586,7 @@ def main():
         print(f"wrote {MEASUREMENTS} and the generated blocks of {README}")
     else:
         print(measurements())
-        for name, md in readme_blocks().items():
+        for name, md in {**readme_blocks(), **testing_blocks()}.items():
             print(f"<!-- {name} -->\n{md}\n")
 
 

@@ -82,6 +82,9 @@ def test_generated_pages_match_the_result_files():
         "docs/measurements.md is stale: run python -m experiments.readme_tables --write"
     assert readme_tables.fill_markers(README.read_text(), readme_tables.readme_blocks()) == README.read_text(), \
         "README.md's generated blocks are stale: run python -m experiments.readme_tables --write"
+    testing = (DOCS / "testing.md").read_text()
+    assert readme_tables.fill_markers(testing, readme_tables.testing_blocks()) == testing, \
+        "docs/testing.md's generated block is stale: run python -m experiments.readme_tables --write"
 
 
 def test_only_clean_results_are_quoted(monkeypatch):
