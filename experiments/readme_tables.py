@@ -297,18 +297,23 @@ def bench_dtype(d: dict) -> str:
 
 def suite_time(d: dict) -> str:
     """docs/testing.md's block: the suite on a fresh clone, parallel (and serial where measured)."""
-    runs = [r for mode in ("parallel", "serial") if (r := d.get(mode)) and is_clean(r)]
+    keys = [k for k in ("parallel", "serial") if k in d] + sorted(k for k in d if "@" in k)
+    runs = {k: d[k] for k in keys if is_clean(d[k])}  # "<mode>@<rev>": an earlier commit, for comparison
     if not runs:
         return "Not measured on a released commit yet: run `python -m experiments.suite_time`."
     out = []
-    for r in runs:
-        flag = " --serial" if r["mode"] == "serial" else ""
-        out.append(f"`python -m experiments.suite_time{flag}` on a fresh clone of `{r['commit']}` ({r['cores']} CPU "
-                   f"cores): `make venv` {r['venv_s']:.0f} s, the tests ({r['mode']}) {r['tests_s']:.0f} s, "
+    for key, r in runs.items():
+        flags = (" --serial" if r["mode"] == "serial" else "") + (f" --commit {key.split('@')[1]}" if "@" in key else "")
+        out.append(f"- `python -m experiments.suite_time{flags}` on a fresh clone of `{r['commit']}` ({r['cores']} "
+                   f"CPU cores): `make venv` {r['venv_s']:.0f} s, the tests ({r['mode']}) {r['tests_s']:.0f} s, "
                    f"{r['passed']} passed, {r['skipped']} skipped, {r['failed']} failed.")
-    folders = {f for r in runs for f in r["per_folder_s"]}
-    rows = [{"folder": f, **{f"{r['mode']} s": r["per_folder_s"].get(f, "") for r in runs}}
-            for f in sorted(folders, key=lambda f: -runs[0]["per_folder_s"].get(f, 0))]
+    first = next(iter(runs.values()))
+    folders = {f for r in runs.values() for f in r["per_folder_s"]}
+    rows = [{"folder": f, **{f"{r['mode']} `{r['commit']}` s": r["per_folder_s"].get(f, "") for r in runs.values()}}
+            for f in sorted(folders, key=lambda f: -first["per_folder_s"].get(f, 0))]
+    rows.append({"folder": "all", **{f"{r['mode']} `{r['commit']}` s": round(sum(r["per_folder_s"].values()))
+                                     for r in runs.values()}})
+    runs = list(runs.values())
     slow = runs[0]["slowest"][:15]
     return ("\n".join(out) + "\n\nSeconds per folder (setup + call + teardown, summed over the workers):\n\n"
             + table(rows, list(rows[0])) + f"\n\nThe slowest tests ({runs[0]['mode']}):\n\n"

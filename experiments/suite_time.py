@@ -1,11 +1,12 @@
 """Wall time of the test suite as a new user meets it: a fresh clone of HEAD, then CI's entry point.
 
-    python -m experiments.suite_time [--serial] [--keep]
+    python -m experiments.suite_time [--serial] [--commit REV] [--keep]
 
 Clones this repository's HEAD into a temporary directory (no .venv, no .pytest_cache: nothing
 compiled or installed before) and runs ``.ci/run`` there (``make test`` without a persistent
 compilation cache), timing the venv bootstrap (``make venv``) and the tests apart. ``--serial`` runs
-the same suite in one process (``XDIST=`` for the Makefile), for comparison. Prints a table and writes
+the same suite in one process (``XDIST=`` for the Makefile), for comparison; ``--commit REV`` measures
+an earlier commit instead of HEAD (stored as ``<mode>@<rev>``). Prints a table and writes
 ``experiments/results/suite_time.json`` (one record per mode): the seconds, pytest's counts
 (passed / skipped / failed), the seconds per folder and per file (setup + call + teardown, summed over
 workers, from a JUnit XML report), and the slowest tests as ``make test`` printed them. Commit first:
@@ -79,6 +80,7 @@ def per_folder(files: dict[str, dict]) -> dict[str, float]:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--serial", action="store_true", help="one pytest process (no pytest-xdist workers)")
+    ap.add_argument("--commit", help="measure this commit instead of HEAD")
     ap.add_argument("--keep", action="store_true", help="keep the clone (its path is printed)")
     args = ap.parse_args(argv)
     mode = "serial" if args.serial else "parallel"
@@ -89,12 +91,14 @@ def main(argv=None) -> dict:
     clone, junit = tmp / "r3jax", tmp / "junit.xml"
     try:
         subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+        if args.commit:
+            subprocess.run(["git", "checkout", "-q", args.commit], cwd=clone, check=True)
         head = provenance(clone)["commit"]
         print(f"fresh clone of {head} in {clone}: make venv, then .ci/run ({mode})", flush=True)
         venv_s, rc_venv, out_venv = _timed(["make", "venv"], clone, env)
         if rc_venv:
             sys.exit(f"make venv failed ({rc_venv}):\n{out_venv[-4000:]}")
-        test_env = {**env, "PYTEST_ARGS": f"tests --junitxml={junit}"}
+        test_env = {**env, "PYTEST_ADDOPTS": f"--junitxml={junit}"}  # pytest reads it whatever the Makefile says
         if args.serial:
             test_env["XDIST"] = ""  # the Makefile's pytest-xdist options, empty
         test_s, rc, out = _timed([str(clone / ".ci" / "run")], clone, test_env)
@@ -120,9 +124,10 @@ def main(argv=None) -> dict:
               "slowest": slowest(out), "output_tail": out[-3000:]}
     path = RESULTS / "suite_time.json"
     stored = json.loads(path.read_text()) if path.exists() else {}
-    stored[mode] = record  # the clone's commit is the provenance: this working tree may be dirty
+    key = mode if not args.commit else f"{mode}@{args.commit}"
+    stored[key] = record  # the clone's commit is the provenance: this working tree may be dirty
     path.write_text(json.dumps(stored, indent=1) + "\n")
-    print(f"wrote {path} [{mode}]")
+    print(f"wrote {path} [{key}]")
     if rc:
         print(out[-4000:])
     return record
