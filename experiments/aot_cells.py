@@ -6,7 +6,7 @@ structure is the trainer's own), the engine's page pool from ``jax.eval_shape`` 
 trainer (:func:`r3jax.train.state_shardings`, :func:`r3jax.sharding.batch_sharding`) or the engine
 (:class:`r3jax.engine.sharding.Placement`) would give it. The programs are the trainer's own jitted
 step (:func:`r3jax.train.make_train_step`, R3 replay) and the engine's mixed step
-(:func:`r3jax.engine.step.step`, jitted as ``Engine._build_step`` does) with decode rows only, lowered
+(:func:`r3jax.engine.step.step`, jitted as ``Engine._build`` does) with decode rows only, lowered
 at those inputs and compiled; per-chip bytes come from each leaf's shard shape, peak memory and bytes
 accessed from XLA.
 """
@@ -231,7 +231,7 @@ def decode_program(cfg: MoeConfig, devices, *, slots: int, seq_len: int, decode_
 
     kv = place.kv(1, by_row=False)
     out = (tuple(kv for _ in k), tuple(kv for _ in v), rep, rep, rep, rep)
-    jitted = jax.jit(under_mesh, donate_argnums=(2, 3, 4), out_shardings=out)  # as Engine._build_step
+    jitted = jax.jit(under_mesh, donate_argnums=(2, 3, 4), out_shardings=out)  # as Engine._build
     routes = sds((n, cfg.num_moe_layers, cfg.top_k), rdt)  # the step's route rows (the pool's are on the host)
     info = {"mesh": dict(zip(ENGINE_AXES, layout)), "params_bytes": chip_bytes(params),
             "optimizer_bytes": 0, "params_total_bytes": full_bytes(params), "slots": slots,

@@ -184,9 +184,9 @@ def program_phases(eng) -> dict:
 
     out = {"trace_s": 0.0, "lower_s": 0.0, "compile_s": 0.0}
     for lay in eng.layouts():
-        fn, kw = eng._build_step(lay)
+        fn, kw = eng._build(lay, eng.steps_of(lay) > 1)
         t0 = time.perf_counter()
-        traced = jax.jit(fn, **kw).trace(*eng._step_args(eng._abstract_inputs(lay)))
+        traced = jax.jit(fn, **kw).trace(*eng._abstract_args(lay))
         t1 = time.perf_counter()
         lowered = traced.lower()
         t2 = time.perf_counter()

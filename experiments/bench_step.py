@@ -39,11 +39,12 @@ def device_step_ms(eng: Engine, batch: int, kv_len: int, repeats: int = 10) -> f
     x = {name: np.zeros(shape, dtype) for name, shape, dtype in dev.input_spec(lay)}
     x["kv_len"][:], x["positions"][:], x["from_slot"][:], x["slot"][:] = kv_len, kv_len - 1, -1, eng.max_batch_size
     inputs = eng.placement.put(dev.pack(x, lay))
-    exe = eng.programs.get("step", lay, lambda: eng._build_step(lay), *eng._step_args(inputs))
+    args = lambda: (eng._params, eng._rest, eng._k, eng._v, eng._last, inputs)
+    exe = eng.programs.get("step", lay, lambda: eng._build(lay, False), *args())
     best = float("inf")
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
-        out = exe(*eng._step_args(inputs))
+        out = exe(*args())
         jax.block_until_ready(out)
         best = min(best, time.perf_counter() - t0)
         eng._k, eng._v, eng._last = out[:3]

@@ -69,6 +69,10 @@ class Engine:
       decode_buckets: how many decode-row sizes get a program: B, B/2, B/4, ... (default 3). Each is
         3 programs (prefill rows 0, 1, prefill_rows); 1 compiles a third of them (faster warm-up) and
         pads every step to B decode rows.
+      decode_steps: decode steps per device call while no prompt is being prefilled (default 1): the
+        call runs them in a loop on device, with stop tokens and max_tokens checked there, so the host's
+        per-call cost is paid once per ``decode_steps`` tokens of every request. A prompt that arrives
+        meanwhile waits for the call to end; calls with prefill rows decode one step.
       dtype: compute dtype override (e.g. bf16 rollouts of an fp32 model); None keeps the model's.
       moe_impl: expert kernel; None picks "gather" on CPU and keeps the model's elsewhere.
       router_noise: std of simulated selection noise on the router logits (``MoeConfig.router_noise``,
@@ -83,13 +87,13 @@ class Engine:
     def __init__(self, model: MoeTransformer, *, max_seq_len: int, max_batch_size: int, num_pages: int | None = None,
                  prefix_cache_bytes: int = 64 << 20, block_size: int = 16, prefill_chunk: int = 64,
                  prefill_rows: int | None = None, max_num_batched_tokens: int | None = None, decode_buckets: int = 3,
-                 dtype=None, moe_impl: str | None = None, router_noise: float | None = None,
+                 decode_steps: int = 1, dtype=None, moe_impl: str | None = None, router_noise: float | None = None,
                  max_stop_tokens: int = 64, mesh=None, static: bool = False,
                  seed: int | None = None, allow_replication: bool = False):
         for name, value, lo in [("max_seq_len", max_seq_len, 2), ("max_batch_size", max_batch_size, 1),
                                 ("prefix_cache_bytes", prefix_cache_bytes, 0), ("block_size", block_size, 1),
                                 ("prefill_chunk", prefill_chunk, 1), ("max_stop_tokens", max_stop_tokens, 1),
-                                ("decode_buckets", decode_buckets, 1)]:
+                                ("decode_buckets", decode_buckets, 1), ("decode_steps", decode_steps, 1)]:
             _check(name, value, lo)
         if prefill_rows is not None and max_num_batched_tokens is not None:
             raise FieldError("max_num_batched_tokens", max_num_batched_tokens, "None when prefill_rows is given",
@@ -119,6 +123,7 @@ class Engine:
         self.config = cfg
         self.max_seq_len, self.max_batch_size, self.block_size = max_seq_len, max_batch_size, block_size
         self.prefill_chunk, self.prefill_rows, self.max_stop_tokens = prefill_chunk, prefill_rows, max_stop_tokens
+        self.decode_steps = decode_steps
         self.max_num_batched_tokens = max_batch_size + prefill_rows * prefill_chunk
         self.static = bool(static)
         self.route_dtype = route_dtype(cfg.num_experts)
@@ -300,19 +305,28 @@ class Engine:
                             pages_per_row=self._pages_per_row, block_pages=self._block_pages)
 
     def step_program(self, decode_rows: int | None = None, prefill_rows: int = 0):
-        """The compiled step program of the layout that serves ``decode_rows`` decode rows (default
-        ``max_batch_size``) and ``prefill_rows`` prefill rows: a ``jax.stages.Compiled`` whose
-        ``as_text()``, ``cost_analysis()`` and ``memory_analysis()`` show what one step does. Compiled
-        on first use, like every step (by the scheduler thread, between steps)."""
+        """The compiled program of the layout that serves ``decode_rows`` decode rows (default
+        ``max_batch_size``) and ``prefill_rows`` prefill rows (with ``decode_steps`` > 1 and no prefill
+        row: the ``decode_steps``-step decode loop): a ``jax.stages.Compiled`` whose ``as_text()``,
+        ``cost_analysis()`` and ``memory_analysis()`` show what one call does. Compiled on first use,
+        like every program (by the scheduler thread, between steps)."""
         lay = self.layout(self.max_batch_size if decode_rows is None else decode_rows, prefill_rows)
-        get = lambda: self.programs.get("step", lay, lambda: self._build_step(lay),
-                                        *self._step_args(self._abstract_inputs(lay)))
-        return self._sched.control(get, drain=False, abort=False)
+        return self._sched.control(lambda: self._program(lay, self._abstract_args(lay)), drain=False, abort=False)
+
+    def steps_of(self, lay: RaggedLayout) -> int:
+        """Decode steps one call of ``lay`` runs: ``decode_steps`` for a decode-only layout, else 1."""
+        return self.decode_steps if lay.prefill_rows == 0 else 1
+
+    def _program(self, lay: RaggedLayout, args: tuple):
+        if self.steps_of(lay) > 1:
+            return self.programs.get("decode", (lay, self.decode_steps, self.max_stop_tokens),
+                                     lambda: self._build(lay, True), *args)
+        return self.programs.get("step", lay, lambda: self._build(lay, False), *args)
 
     def _warmup(self) -> dict:
         t0, before = time.perf_counter(), len(self.programs)
         for lay in self.layouts():
-            self.programs.get("step", lay, lambda: self._build_step(lay), *self._step_args(self._abstract_inputs(lay)))
+            self._program(lay, self._abstract_args(lay))
         self._sched.warmed = True
         seconds = time.perf_counter() - t0
         self._counters["warmup_s"] += seconds
@@ -326,16 +340,21 @@ class Engine:
         self._k, self._v = tuple(map(zeros, k)), tuple(map(zeros, v))
         self._last = self.placement.put(np.zeros((self.max_batch_size,), np.int32))
 
-    def _abstract_inputs(self, lay: RaggedLayout) -> jax.ShapeDtypeStruct:
-        """The step's packed input vector (:func:`r3jax.engine.step.pack`), replicated."""
-        return jax.ShapeDtypeStruct((dev.packed_size(lay),), np.int32, sharding=self.placement.replicated)
+    def _abstract_args(self, lay: RaggedLayout) -> tuple:
+        """A call's arguments with its inputs abstract: the packed vector (:func:`r3jax.engine.step.pack`)
+        and, for the decode loop, ``extra`` [R, 1 + max_stop_tokens] (budgets and stop ids), replicated."""
+        rep = self.placement.replicated
+        x = jax.ShapeDtypeStruct((dev.packed_size(lay),), np.int32, sharding=rep)
+        extra = jax.ShapeDtypeStruct((lay.rows, 1 + self.max_stop_tokens), np.int32, sharding=rep)
+        return self._params, self._rest, self._k, self._v, self._last, x, *((extra,) if self.steps_of(lay) > 1 else ())
 
-    def _step_args(self, x):
-        return self._params, self._rest, self._k, self._v, self._last, x
-
-    def _build_step(self, lay: RaggedLayout):
-        fn = functools.partial(dev.step, self._graphdef, layout=lay, head_only=self._head_only,
-                               route_dtype=self.route_dtype)
+    def _build(self, lay: RaggedLayout, loop: bool):
+        common = dict(layout=lay, head_only=self._head_only, route_dtype=self.route_dtype)
+        if loop:
+            fn = functools.partial(dev.decode_loop, self._graphdef, steps=self.decode_steps, page_size=self.block_size,
+                                   route_shape=(self.config.num_moe_layers, self.config.top_k), **common)
+        else:
+            fn = functools.partial(dev.step, self._graphdef, **common)
         mesh = self.placement.mesh
         if mesh is not None:  # traced under the mesh: attention picks its kernel by the mesh's devices
             inner = fn
@@ -348,11 +367,13 @@ class Engine:
         out = (tuple(kv for _ in self._k), tuple(kv for _ in self._v), rep, rep, rep, rep)
         return fn, {"donate_argnums": (2, 3, 4), "out_shardings": out}
 
-    def dispatch(self, lay: RaggedLayout, x: dict[str, np.ndarray]):
-        """Enqueue one step; returns its outputs ``(tokens, logprobs, routes)`` as device arrays whose
-        host copies have been started."""
-        args = self._step_args(self.placement.put(dev.pack(x, lay)))
-        exe = self.programs.get("step", lay, lambda: self._build_step(lay), *args)
+    def dispatch(self, lay: RaggedLayout, x: dict[str, np.ndarray], extra: np.ndarray | None = None):
+        """Enqueue one call (a mixed step, or with ``extra`` the decode loop); returns its outputs
+        ``(tokens, logprobs, routes)`` as device arrays whose host copies have been started."""
+        args = (self._params, self._rest, self._k, self._v, self._last, self.placement.put(dev.pack(x, lay)))
+        if extra is not None:
+            args += (self.placement.put(extra),)
+        exe = self._program(lay, args)
         self._k, self._v, self._last, tok, lp, routes = exe(*args)
         for a in (tok, lp, routes):
             a.copy_to_host_async()
@@ -362,10 +383,12 @@ class Engine:
         """The host-side sampling parameters of one request (built at admission). Whatever raises here
         fails this request alone (e.g. a value its dtype cannot hold), never the others."""
         req = job.request
-        stop = np.asarray(req.stop_token_ids, np.int64)
+        stop = np.asarray(req.stop_token_ids, np.int64).astype(np.int32)
+        stop_ids = np.full(self.max_stop_tokens, -1, np.int32)  # the decode loop's on-device stop check
+        stop_ids[:len(stop)] = stop
         return dict(temperature=np.float32(req.temperature), top_k=np.int32(req.top_k), top_p=np.float32(req.top_p),
                     key_data=seed_words(job.seed), processed=np.bool_(req.logprobs_mode == "processed_logprobs"),
-                    stop=set(int(t) for t in stop.astype(np.int32)))
+                    stop=set(int(t) for t in stop), stop_ids=stop_ids)
 
     def reset_state(self) -> None:
         """A fresh pool (after a failed step left a donated buffer unusable); cached prefixes dropped."""

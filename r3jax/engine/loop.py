@@ -63,6 +63,7 @@ class _Step:
     layout: Any
     rows: list
     outputs: tuple
+    steps: int = 1  # > 1: a decode loop (outputs [steps, R, ...])
 
 
 class Loop:
@@ -227,15 +228,24 @@ class Loop:
         t0 = time.perf_counter()
         chunks = choose_chunks(prefilling, eng.prefill_rows, eng.prefill_chunk)
         lay = eng.layout(len(decoding), len(chunks))
-        x, rows = build(eng.pool, decoding, chunks, lay, slots=eng.max_batch_size)
+        steps = eng.steps_of(lay)
+        x, rows = build(eng.pool, decoding, chunks, lay, slots=eng.max_batch_size, steps=steps)
+        extra = None
+        if steps > 1:  # each row's budget and stop ids, for the loop's checks on device
+            extra = np.zeros((lay.rows, 1 + eng.max_stop_tokens), np.int32)
+            extra[:, 1:] = -1
+            for row in rows:
+                extra[row.row, 0] = row.hi - row.lo
+                extra[row.row, 1:] = row.seq.job.row["stop_ids"]
         t1 = time.perf_counter()
-        self.inflight.append(_Step(lay, rows, eng.dispatch(lay, x)))
+        outputs = eng.dispatch(lay, x) if extra is None else eng.dispatch(lay, x, extra)
+        self.inflight.append(_Step(lay, rows, outputs, steps))
         c = eng._counters
         c["plan_s"] += t1 - t0
         c["dispatch_s"] += time.perf_counter() - t1
         c["steps"] += 1
         c["decode_calls"] += bool(decoding)
-        c["decode_slot_steps"] += len(decoding)
+        c["decode_slot_steps"] += sum(r.hi - r.lo for r in rows[:len(decoding)])
         c["prefill_calls"] += len(chunks)
         fed = len(decoding) + sum(hi - lo for _, lo, hi in chunks)
         c["prefill_tokens"] += fed - len(decoding)
@@ -251,23 +261,33 @@ class Loop:
         eng._counters["host_wait_s"] += now - t0
         for row in step.rows:
             seq = row.seq
+            if step.steps > 1:  # a decode loop: position lo + i fed in step i, which sampled tok[i]
+                for i in range(row.hi - row.lo):
+                    if seq.finished:  # stopped earlier in this call, or in a call before it
+                        eng._counters["wasted_tokens"] += row.hi - row.lo - i
+                        break
+                    seq.routes[row.lo + i] = routes[i, row.at]
+                    self._take(seq, int(tok[i, row.row]), float(lp[i, row.row]), now)
+                continue
             if seq.finished:
                 eng._counters["wasted_tokens"] += row.hi - row.lo
                 continue
             seq.routes[row.lo:row.hi] = routes[row.at:row.at + row.hi - row.lo]
-            if not row.samples:
-                continue
-            token = int(tok[row.row])
-            seq.tokens.append(token)
-            seq.logprobs.append(float(lp[row.row]))
-            if len(seq.tokens) == 1:
-                eng._ttft.append(now - seq.job.submitted)
-            if token in seq.job.row["stop"]:
-                seq.stopped = True
-            if seq.stopped or len(seq.tokens) >= seq.max_new:
-                self._finish(seq)
+            if row.samples:
+                self._take(seq, int(tok[row.row]), float(lp[row.row]), now)
         del eng._ttft[:-4096]
         eng._counters["process_s"] += time.perf_counter() - now
+
+    def _take(self, seq: Seq, token: int, logprob: float, now: float) -> None:
+        """One sampled token of seq; finishes seq at a stop token or its max_tokens."""
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        if len(seq.tokens) == 1:
+            self.engine._ttft.append(now - seq.job.submitted)
+        if token in seq.job.row["stop"]:
+            seq.stopped = True
+        if seq.stopped or len(seq.tokens) >= seq.max_new:
+            self._finish(seq)
 
     def _finish(self, seq: Seq) -> None:
         eng, job = self.engine, seq.job

@@ -107,3 +107,51 @@ def step(graphdef, params, rest, k, v, last, x: StepInputs, *, layout: RaggedLay
     tok, lp = sample_with_logprobs(logits, x.key_data, x.index, x.temperature, x.top_k, x.top_p, x.processed)
     last = last.at[x.slot].set(tok, mode="drop")
     return out.cache.k, out.cache.v, last, tok, lp, out.routes[0].astype(route_dtype)
+
+
+def decode_loop(graphdef, params, rest, k, v, last, x, extra, *, layout: RaggedLayout, steps: int, page_size: int,
+                head_only: bool, route_dtype, route_shape: tuple[int, int]):
+    """``steps`` decode steps of every decode row in one call (``layout.prefill_rows == 0``), so the
+    host's per-call cost is paid once for ``steps`` tokens per request.
+
+    ``x``: the first step's inputs as for :func:`step` (each row's position, its page table covering
+    every position the call may feed, its first token's sampling index). ``extra`` [R, 1 + S] int32:
+    row r's ``budget`` (steps it may run: at most ``steps``, fewer near its max_tokens; 0 for padding)
+    then its S stop token ids (-1 padded). Step i feeds ``last[slot]`` at position ``positions + i`` and
+    samples token ``index + i``; a row that samples a stop token, or has run its budget, stops there:
+    later steps write its keys to the trash page and leave its ``last`` alone. Returns ``(k, v, last,
+    tokens [steps, R] int32, logprobs [steps, R] f32, routes [steps, R, L, K])`` (``route_shape`` = (L, K));
+    entries of a stopped row are left over from the loop and read by nobody (the host stops at the same
+    token)."""
+    if layout.prefill_rows:
+        raise ValueError(f"decode_loop runs decode rows only: {layout}")
+    model = nnx.merge(graphdef, params, rest)
+    if not isinstance(x, StepInputs):
+        x = unpack(x, layout)
+    budget, stop = extra[:, 0], extra[:, 1:]
+    r = layout.decode_rows
+    rows = jnp.arange(r)
+    slots = last.shape[0]
+
+    def body(i, carry):
+        k, v, last, alive, toks, lps, routes = carry
+        active = alive & (i < budget)
+        pos = x.positions + i
+        col = jnp.minimum(pos // page_size, layout.pages_per_row - 1)
+        meta = PagedMeta(x.table, jnp.where(active, x.table[rows, col], 0), jnp.where(active, pos % page_size, 0),
+                         jnp.where(active, pos + 1, 1), layout)
+        tokens = jnp.where(x.from_slot >= 0, last[jnp.maximum(x.from_slot, 0)], x.tokens)
+        kw = {"return_hidden": True} if head_only else {}
+        out = model(tokens[None], jnp.where(active, pos, x.positions)[None], cache=PagedCache(k=k, v=v, meta=meta),
+                    **kw)
+        logits = model.logits(out.hidden[0]) if head_only else out.logits[0]
+        tok, lp = sample_with_logprobs(logits, x.key_data, x.index + i, x.temperature, x.top_k, x.top_p, x.processed)
+        last = last.at[jnp.where(active, x.slot, slots)].set(tok, mode="drop")
+        alive = alive & ~(active & (stop == tok[:, None]).any(-1))
+        return (out.cache.k, out.cache.v, last, alive, toks.at[i].set(tok), lps.at[i].set(lp),
+                routes.at[i].set(out.routes[0].astype(route_dtype)))
+
+    init = (k, v, last, budget > 0, jnp.zeros((steps, r), jnp.int32), jnp.zeros((steps, r), jnp.float32),
+            jnp.zeros((steps, r, *route_shape), route_dtype))
+    k, v, last, _, toks, lps, routes = jax.lax.fori_loop(0, steps, body, init)
+    return k, v, last, toks, lps, routes

@@ -44,7 +44,7 @@ import sys
 
 
 # r3jax.engine.Engine's defaults (not imported here: --help must not start JAX; a test checks they agree)
-ENGINE_DEFAULTS = dict(block_size=16, prefill_chunk=64)
+ENGINE_DEFAULTS = dict(block_size=16, prefill_chunk=64, decode_steps=1)
 ENGINE_DEFAULT_PREFILL_ROWS = 4
 
 
@@ -68,10 +68,11 @@ def parse_args(argv: list[str], devices=None) -> argparse.Namespace:
                     help="device memory for the engine's prefix cache (0 turns it off)")
     ap.add_argument("--compilation-cache", default=None, metavar="DIR",
                     help="JAX persistent compilation cache directory (a restart reuses compiled programs)")
-    ap.add_argument("--decode-steps", type=int, default=None,
-                    help="ignored (kept for old scripts): every step decodes one token per running request")
     eng = ap.add_argument_group("engine", "the paged KV + route pool and the step budget (r3jax.engine.Engine)")
     eng.add_argument("--block-size", type=int, default=ENGINE_DEFAULTS["block_size"], help="tokens per page")
+    eng.add_argument("--decode-steps", type=int, default=ENGINE_DEFAULTS["decode_steps"],
+                     help="decode steps per device call while no prompt is being prefilled (stop tokens and "
+                          "max_tokens checked on device); a prompt arriving meanwhile waits for the call")
     eng.add_argument("--prefill-chunk", type=int, default=ENGINE_DEFAULTS["prefill_chunk"],
                      help="prompt tokens per prefill row (a long prompt takes several rows, over several steps)")
     eng.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -107,7 +108,7 @@ def parse_args(argv: list[str], devices=None) -> argparse.Namespace:
     ap.add_argument("--graceful-timeout", type=float, default=30.0)
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)
-    for name in ("max_batch_size", "max_seq_len", "max_body_bytes", "block_size", "prefill_chunk",
+    for name in ("max_batch_size", "max_seq_len", "max_body_bytes", "block_size", "prefill_chunk", "decode_steps",
                  "max_num_batched_tokens", "num_pages", "tensor_parallel_size", "data_parallel_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= 1")
@@ -181,7 +182,8 @@ def build_engine(args: argparse.Namespace):
     return Engine(model, max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
                   prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)), block_size=args.block_size,
                   prefill_chunk=args.prefill_chunk, max_num_batched_tokens=args.max_num_batched_tokens,
-                  num_pages=args.num_pages, decode_buckets=args.decode_buckets, mesh=build_mesh(args.mesh_shape),
+                  num_pages=args.num_pages, decode_buckets=args.decode_buckets, decode_steps=args.decode_steps,
+                  mesh=build_mesh(args.mesh_shape),
                   static=args.static)
 
 

@@ -439,8 +439,17 @@ def test_cli_arguments_are_checked(capsys):
     args = parse_args(["--port", "0", "--prefix-cache-mb", "0", "--compilation-cache", "/tmp/x", "--static"])
     assert (args.model, args.host, args.port, args.max_seq_len) == ("tiny", "127.0.0.1", 0, 256)
     assert (args.compilation_cache, args.static) == ("/tmp/x", True)
-    assert parse_args(["--decode-steps", "0", "--batch-wait-ms", "5"]).decode_steps == 0  # accepted, ignored
+    assert parse_args(["--decode-steps", "4", "--batch-wait-ms", "5"]).decode_steps == 4
+    # the server's engine defaults (kept apart so --help starts no JAX) are the Engine's
+    import inspect
+
+    from r3jax.engine import Engine
+    from r3jax.serve.server import ENGINE_DEFAULTS
+
+    params = inspect.signature(Engine).parameters
+    assert {k: params[k].default for k in ENGINE_DEFAULTS} == ENGINE_DEFAULTS
     for bad, msg in ((["--max-batch-size", "0"], "--max-batch-size"), (["--port", "70000"], "--port"),
+                     (["--decode-steps", "0"], "--decode-steps=0: expected >= 1"),
                      (["--port", "-1"], "--port"), (["--block-size", "0"], "--block-size"),
                      (["--prefix-cache-mb", "-1"], "--prefix-cache-mb")):
         with pytest.raises(SystemExit):
