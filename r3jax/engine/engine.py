@@ -69,7 +69,7 @@ class Engine:
       decode_buckets: how many decode-row sizes get a program: B, B/2, B/4, ... (default 3). Each is
         3 programs (prefill rows 0, 1, prefill_rows); 1 compiles a third of them (faster warm-up) and
         pads every step to B decode rows.
-      decode_steps: decode steps per device call while no prompt is being prefilled (default 1): the
+      decode_steps: decode steps per device call while no prompt is being prefilled (default 8): the
         call runs them in a loop on device, with stop tokens and max_tokens checked there, so the host's
         per-call cost is paid once per ``decode_steps`` tokens of every request. A prompt that arrives
         meanwhile waits for the call to end; calls with prefill rows decode one step.
@@ -87,7 +87,7 @@ class Engine:
     def __init__(self, model: MoeTransformer, *, max_seq_len: int, max_batch_size: int, num_pages: int | None = None,
                  prefix_cache_bytes: int = 64 << 20, block_size: int = 16, prefill_chunk: int = 64,
                  prefill_rows: int | None = None, max_num_batched_tokens: int | None = None, decode_buckets: int = 3,
-                 decode_steps: int = 1, dtype=None, moe_impl: str | None = None, router_noise: float | None = None,
+                 decode_steps: int = 8, dtype=None, moe_impl: str | None = None, router_noise: float | None = None,
                  max_stop_tokens: int = 64, mesh=None, static: bool = False,
                  seed: int | None = None, allow_replication: bool = False):
         for name, value, lo in [("max_seq_len", max_seq_len, 2), ("max_batch_size", max_batch_size, 1),

@@ -44,7 +44,7 @@ import sys
 
 
 # r3jax.engine.Engine's defaults (not imported here: --help must not start JAX; a test checks they agree)
-ENGINE_DEFAULTS = dict(block_size=16, prefill_chunk=64, decode_steps=1)
+ENGINE_DEFAULTS = dict(block_size=16, prefill_chunk=64, decode_steps=8)
 ENGINE_DEFAULT_PREFILL_ROWS = 4
 
 

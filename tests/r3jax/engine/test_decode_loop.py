@@ -1,5 +1,6 @@
 """Engine(decode_steps=k): k decode steps per device call give the same tokens, logprobs and route rows
-as one step per call, stop mid-call at a stop token or max_tokens, and take fewer calls."""
+as one step per call, stop mid-call at a stop token or max_tokens, and take fewer calls. The shared
+engine runs the default loop (8 steps); these tests set the steps on both sides."""
 
 import numpy as np
 import pytest
@@ -15,6 +16,12 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def looped(tiny_model, make_engine):
     return make_engine(tiny_model, decode_steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, make_engine):
+    """One decode step per call (overrides the shared engine in this file)."""
+    return make_engine(tiny_model, decode_steps=1)
 
 
 def _requests(seed=0):
