@@ -381,7 +381,8 @@ SECTIONS = [
             "One fp32 model, two engines of the same shape: `Engine(dtype=jnp.bfloat16)` (a bf16 rollout server) "
             "and fp32, on tiny and the peer config. On CPU the page pool keeps 16-bit floats as their uint16 "
             "bits (`pool_dtype`): XLA:CPU would otherwise convert the whole pool to f32 on every step, which "
-            "made a bf16 step 17–27× an fp32 one.", bench_dtype),
+            "made a bf16 step 17–27× an fp32 one. `steps`: device calls per round (a call runs up to "
+            "`decode_steps` decode steps, or one mixed prefill + decode step); `step_ms`: wall ÷ calls.", bench_dtype),
     Section("bench_engine", "Continuous batching", "python -m experiments.bench_engine",
             "Async multi-turn agents over HTTP on a long-tailed mix of turn lengths, the paged engine's continuous "
             "batching against its `--static` batch-to-completion mode (`python -m r3jax serve --model tiny`, 32 "
