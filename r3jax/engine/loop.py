@@ -193,6 +193,8 @@ class Loop:
                     self.waiting.popleft()
                 continue
             p, ps = len(job.prompt), pool.page_size
+            if self._prefill_pending(job):
+                return  # its prompt's first page is being prefilled: admitted once that is dispatched, it shares it
             hit = pool.match(job.prompt)
             need = pool.pages_for(p + job.request.max_tokens - 1) - len(hit)
             if not pool.reserve(need):
@@ -201,13 +203,24 @@ class Loop:
             with self.cond:
                 self.waiting.popleft()
             cfg = eng.config
+            # the hit's route rows are copied at the end (_finish): a page indexed while its step ran
+            # gets them when that step's outputs arrive, which is before any step of this request's
             routes = np.zeros((p + job.request.max_tokens, cfg.num_moe_layers, cfg.top_k), eng.route_dtype)
             cached = len(hit) * ps
-            if hit:
-                routes[:cached] = pool.routes[hit].reshape(cached, *routes.shape[1:])
             job.version, job.cached = eng.weight_version, cached
             self.seqs.append(Seq(job, self.free_slots.pop(), list(hit), need, cached, routes))
             eng._counters["cached_tokens"] += cached
+
+    def _prefill_pending(self, job: Job) -> bool:
+        """Whether an admitted request still prefilling starts with the same whole page as ``job``'s
+        prompt (GRPO's samples of one prompt, submitted together): ``job`` then waits until those pages
+        are dispatched and references them instead of prefilling the prompt again."""
+        pool = self.engine.pool
+        if not pool.prefix or len(job.prompt) <= pool.page_size:
+            return False
+        first = pool.keys(job.prompt, 1)[0]
+        return any(s.prefilling and s.prompt_len > pool.page_size and pool.keys(s.job.prompt, 1)[0] == first
+                   for s in self.seqs)
 
     def _prepare(self, job: Job) -> bool:
         try:
@@ -230,6 +243,8 @@ class Loop:
         lay = eng.layout(len(decoding), len(chunks))
         steps = eng.steps_of(lay)
         x, rows = build(eng.pool, decoding, chunks, lay, slots=eng.max_batch_size, steps=steps)
+        for row in rows[len(decoding):]:  # prompt pages this step completes: indexed now, rows when they arrive
+            row.pending = eng.pool.register(row.seq.pages, row.seq.job.prompt[:row.hi], None)
         extra = None
         if steps > 1:  # each row's budget and stop ids, for the loop's checks on device
             extra = np.zeros((lay.rows, 1 + eng.max_stop_tokens), np.int32)
@@ -259,6 +274,7 @@ class Loop:
         tok, lp, routes = (np.asarray(a) for a in step.outputs)
         now = time.perf_counter()
         eng._counters["host_wait_s"] += now - t0
+        ps = eng.pool.page_size
         for row in step.rows:
             seq = row.seq
             if step.steps > 1:  # a decode loop: position lo + i fed in step i, which sampled tok[i]
@@ -269,10 +285,12 @@ class Loop:
                     seq.routes[row.lo + i] = routes[i, row.at]
                     self._take(seq, int(tok[i, row.row]), float(lp[i, row.row]), now)
                 continue
+            seq.routes[row.lo:row.hi] = routes[row.at:row.at + row.hi - row.lo]  # even if seq is gone: pending pages
+            for j, page, key in row.pending:
+                eng.pool.set_routes(page, key, seq.routes[j * ps:(j + 1) * ps])
             if seq.finished:
                 eng._counters["wasted_tokens"] += row.hi - row.lo
                 continue
-            seq.routes[row.lo:row.hi] = routes[row.at:row.at + row.hi - row.lo]
             if row.samples:
                 self._take(seq, int(tok[row.row]), float(lp[row.row]), now)
         del eng._ttft[:-4096]
@@ -292,6 +310,9 @@ class Loop:
     def _finish(self, seq: Seq) -> None:
         eng, job = self.engine, seq.job
         req, p, g = job.request, seq.prompt_len, len(seq.tokens)
+        if job.cached:  # the prefix hit's rows (all on the host by now: their steps ran before ours)
+            hit = seq.pages[:job.cached // eng.pool.page_size]
+            seq.routes[:job.cached] = eng.pool.routes[hit].reshape(job.cached, *seq.routes.shape[1:])
         fed = np.concatenate([job.prompt, np.asarray(seq.tokens[:-1], np.int32)])
         eng.pool.register(seq.pages, fed, seq.routes)
         s = req.routed_experts_prompt_start

@@ -5,7 +5,10 @@ index over whole pages (their KV on device, their route rows here).
 - Admission reserves the pages a request can ever need (prompt + max_tokens, less its prefix hit), so
   a running request never runs out; pages are taken from the reservation as positions are reached.
   A request that finishes early gives the rest back. Admission waits while the reservation does not fit.
-- A finished request's whole pages enter the prefix index, keyed by a hash chain over the tokens of
+- A prompt's whole pages enter the prefix index as soon as the step that writes them is dispatched
+  (the device runs steps in order, so any later step reads their KV), their route rows once that
+  step's outputs reach the host; a finished request's whole pages (output included) enter it then.
+  Keys are a hash chain over the tokens of
   every page up to and including it, rooted at the weight version (:meth:`PagePool.clear` re-roots
   it), so a key names the exact prefix it was computed from. A later prompt starting with those tokens
   references the pages (reference counted) instead of recomputing them, and its route rows for those
@@ -141,19 +144,31 @@ class PagePool:
             self.ref[page] += 1
         return hit
 
-    def register(self, pages: list[int], fed: np.ndarray, routes: np.ndarray) -> int:
-        """Index the whole pages of a finished request: ``pages`` hold positions ``[0, len(fed))`` of the
-        tokens ``fed`` (prompt + output[:-1]) and ``routes [len(fed), ...]`` their route rows. Returns how
-        many pages were newly indexed (a page whose prefix is indexed already stays unindexed)."""
+    def register(self, pages: list[int], fed: np.ndarray, routes: np.ndarray | None) -> list[tuple[int, int, bytes]]:
+        """Index the whole pages of ``fed``: ``pages`` hold positions ``[0, len(fed))`` of the tokens ``fed``
+        (a finished request's prompt + output[:-1], or a prompt's positions up to its last dispatched
+        chunk: their KV is on device, or will be before any later step reads it) and ``routes
+        [len(fed), ...]`` their route rows, or None when they are not on the host yet (:meth:`set_routes`
+        then fills them). Returns ``(j, page, key)`` of each page newly indexed (a page whose prefix is
+        indexed already stays unindexed)."""
         if not self.prefix:
-            return 0
-        ps, added = self.page_size, 0
+            return []
+        ps, added = self.page_size, []
         n = len(fed) // ps
         for j, key in enumerate(self.keys(fed, n)):
             page = pages[j]
             if key in self._page_of or page in self._key_of:
                 continue
             self._page_of[key], self._key_of[page] = page, key
-            self.routes[page] = routes[j * ps:(j + 1) * ps]
-            added += 1
+            if routes is not None:
+                self.routes[page] = routes[j * ps:(j + 1) * ps]
+            added.append((j, page, key))
         return added
+
+    def set_routes(self, page: int, key: bytes, rows: np.ndarray) -> bool:
+        """The route rows of a page indexed before they reached the host; a no-op (False) if the page no
+        longer holds that prefix (evicted and taken again, or the index was cleared meanwhile)."""
+        if self._key_of.get(page) != key:
+            return False
+        self.routes[page] = rows
+        return True

@@ -66,7 +66,8 @@ class Seq:
 class RowPlan:
     """What a row of a step does: seq; ``row``: its index in R; ``at``: its first token's index in N;
     ``lo``/``hi``: the positions it feeds (decode: one, or a decode loop's budget); samples: whether it
-    samples seq's next token (a decode loop's row: one per position)."""
+    samples seq's next token (a decode loop's row: one per position); ``pending``: prompt pages indexed
+    when this row was dispatched, whose route rows its outputs complete."""
 
     seq: Seq
     row: int
@@ -74,6 +75,7 @@ class RowPlan:
     lo: int
     hi: int
     samples: bool
+    pending: list = dataclasses.field(default_factory=list)  # (j, page, key): pages whose rows this row completes
 
 
 def _page_at(pool: PagePool, seq: Seq, position: int) -> tuple[int, int]:

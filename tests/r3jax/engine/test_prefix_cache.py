@@ -92,3 +92,43 @@ def test_identical_prefixes_in_one_batch_are_stored_once(tiny_model, make_engine
     assert eng.stats["prefix_cache_blocks"] == 2  # 20 fed tokens: 2 whole pages, not 8
     assert all(o.output_ids == outs[0].output_ids for o in outs)
     assert _run(eng, prompt).cached_tokens == 16
+
+
+def _samples(prompt, n, max_tokens=6):
+    return [GenerateRequest(prompt_ids=prompt, max_tokens=max_tokens, temperature=1.0, seed=s, return_logprobs=True,
+                            return_routed_experts=True) for s in range(n)]
+
+
+def _same_as_alone(outs, reqs, plain):
+    """Each output equals its request run alone on an engine without a prefix cache."""
+    for out, req in zip(outs, reqs):
+        [alone] = plain.generate([req])
+        assert out.output_ids == alone.output_ids
+        np.testing.assert_allclose(out.logprobs, alone.logprobs, atol=2e-5)
+        np.testing.assert_array_equal(out.routed_experts, alone.routed_experts)
+
+
+def test_samples_of_one_prompt_submitted_together_prefill_it_once(tiny_model, make_engine):
+    """GRPO's n samples of a prompt: the first prefills it, the others reference its whole pages as soon
+    as the step that writes them is dispatched (and compute only the last token); their prompt route
+    rows are the first one's."""
+    eng, plain = make_engine(tiny_model), make_engine(tiny_model, prefix_cache_bytes=0)
+    prompt = _tokens(7, 41)  # 5 whole pages of 8 and one more token
+    before = eng.stats["prefill_tokens"]
+    reqs = _samples(prompt, 4)
+    outs = eng.generate(reqs)
+    assert eng.stats["prefill_tokens"] - before == 41 + 3  # not 4 x 41
+    assert [o.cached_tokens for o in outs] == [0, 40, 40, 40]
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o.routed_experts[:41], outs[0].routed_experts[:41])
+    _same_as_alone(outs, reqs, plain)
+
+
+def test_a_shared_prompt_survives_its_first_request_being_cancelled(tiny_model, make_engine):
+    eng, plain = make_engine(tiny_model), make_engine(tiny_model, prefix_cache_bytes=0)
+    reqs = _samples(_tokens(8, 33), 3, max_tokens=12)
+    futures = [eng.submit(r) for r in reqs]
+    futures[0].cancel()  # whenever it lands: before admission, mid-prefill or decoding
+    _same_as_alone([f.result(timeout=120) for f in futures[1:]], reqs[1:], plain)
+    # the pages it shared serve the next request of that prompt with the same rows
+    _same_as_alone(eng.generate(reqs[:1]), reqs[:1], plain)
