@@ -17,6 +17,7 @@ parsers), which :class:`~r3jax.serve.RemoteInferenceClient` reads. Bad input is 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -110,16 +111,20 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
             req = parse(body, request)
         except FieldError as e:
             return _error(peer, e)
+        reqs = req if isinstance(req, list) else [req]  # several: one prompt's samples, submitted together
         try:
-            out = await ctx.generate(request, req)
+            outs = await asyncio.gather(*(ctx.generate(request, r) for r in reqs))
+            if len({o.weight_version for o in outs}) > 1:
+                raise Unavailable("the weights changed while the samples ran; retry the request", "aborted")
         except FieldError as e:
             return _error(peer, _peer_field(peer, e))
         except Unavailable as e:
             return _unavailable(peer, e.detail)
         except Disconnected:
             return Response(status_code=499)
-        response = await ctx.render(peer, out, lambda: render(body, req, out))
-        return with_version(response, out.weight_version)  # the answer's own (errors: the app's Guard)
+        out = outs if isinstance(req, list) else outs[0]
+        response = await ctx.render(peer, outs[0], lambda: render(body, req, out))
+        return with_version(response, outs[0].weight_version)  # the answer's own (errors: the app's Guard)
 
     # ---- SkyRL ------------------------------------------------------------------------------------
     def skyrl_route(path: str, routes: bool):
@@ -152,16 +157,21 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
         def parse(body, request):
             if isinstance(body, dict) and isinstance(body.get("prompt"), str):
                 body = {**body, "prompt": encode_text("prompt", body["prompt"])}
-            return vllm.parse_completion(body, served_model=served_model, return_routed_experts_default=routes_default,
-                                         session_id=request.headers.get(skyrl.SESSION_HEADER), **limits)
+            req = vllm.parse_completion(body, served_model=served_model, return_routed_experts_default=routes_default,
+                                        session_id=request.headers.get(skyrl.SESSION_HEADER), **limits)
+            n = vllm.completion_samples(body)
+            return req if n == 1 else vllm.samples(req, n)
 
         def render(body, req, out):
-            obj = vllm.render_completion(out, req, model=served_model, request_id=_request_id(body),
-                                         created=int(time.time()), num_experts=num_experts,
-                                         return_token_ids=body.get("return_token_ids") is True,
-                                         text=text_of(out.output_ids))
-            routes = obj["choices"][0]["routed_experts"]
-            return _json_response(obj), len(routes or "")
+            kw = dict(model=served_model, request_id=_request_id(body), created=int(time.time()),
+                      num_experts=num_experts, return_token_ids=body.get("return_token_ids") is True)
+            if isinstance(out, list):
+                obj = vllm.render_completions(out, req[0], **kw)
+                for choice, o in zip(obj["choices"], out):
+                    choice["text"] = text_of(o.output_ids)
+            else:
+                obj = vllm.render_completion(out, req, text=text_of(out.output_ids), **kw)
+            return _json_response(obj), sum(len(c["routed_experts"] or "") for c in obj["choices"])
 
         return await run("vllm", request, parse, render)
 

@@ -68,12 +68,13 @@ def skyrl_body(routes: bool) -> dict:
 
 
 def vllm_completions_body() -> dict:
-    doc = ("vLLM CompletionRequest with a token-id prompt; sampling fields at the top level. Answer: "
-           "CompletionResponse; choices[0].routed_experts is base64 of .npy bytes [rows, L, K] "
+    doc = ("vLLM CompletionRequest with a token-id prompt; sampling fields at the top level; n samples "
+           f"(1..{vllm.MAX_N}) share one prefill, seeded seed + i. Answer: CompletionResponse; "
+           "choices[i].routed_experts is base64 of .npy bytes [rows, L, K] "
            "(uint8/uint16/int32 by E), rows [s, P + G - 1); token_ids with return_token_ids")
-    fields = (*vllm.COMPLETION_READ, *vllm.SAMPLING_READ, *vllm.SAMPLING_FREE)
-    return _body(_object(dict.fromkeys(fields), {**vllm.COMPLETION_DEFAULTS, **vllm.SAMPLING_DEFAULTS},
-                         required=("prompt",), doc=doc))
+    fields = (*vllm.COMPLETION_READ, *vllm.SAMPLING_READ, *vllm.SAMPLING_FREE, "n")
+    defaults = {k: v for k, v in {**vllm.COMPLETION_DEFAULTS, **vllm.SAMPLING_DEFAULTS}.items() if k != "n"}
+    return _body(_object(dict.fromkeys(fields), defaults, required=("prompt",), doc=doc))
 
 
 def sglang_body() -> dict:

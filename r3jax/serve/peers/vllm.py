@@ -12,6 +12,7 @@ Sources: docs/peers.md.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import binascii
 import io
 import json
@@ -151,6 +152,24 @@ COMPLETION_DEFAULTS = {
 }
 
 
+MAX_N = 256  # samples of one prompt a completions request may ask for
+
+
+def completion_samples(body: Any) -> int:
+    """A ``/v1/completions`` body's ``n`` (vLLM's SamplingParams.n): how many samples of its prompt to
+    return, 1..``MAX_N`` (null or absent: 1)."""
+    n = body.get("n") if isinstance(body, Mapping) else None
+    return 1 if n is None else check_int("n", n, 1, MAX_N)
+
+
+def samples(request: GenerateRequest, n: int) -> list[GenerateRequest]:
+    """``n`` requests for one prompt, submitted together so the engine prefills it once. With a seed s,
+    sample i is seeded s + i (mod 2**64): reproducible and distinct; without one, each draws its own."""
+    if request.seed is None:
+        return [request] * n
+    return [dataclasses.replace(request, seed=(request.seed + i) % (1 << 64)) for i in range(n)]
+
+
 def parse_completion(body: Any, *, served_model: str, return_routed_experts_default: bool = False,
                      session_id: str | None = None, vocab_size: int | None = None,
                      max_seq_len: int | None = None) -> GenerateRequest:
@@ -166,7 +185,8 @@ def parse_completion(body: Any, *, served_model: str, return_routed_experts_defa
     if model is not None and model != served_model:
         raise FieldError("model", model, f"the served model {served_model!r}")
     prompt = _prompt(body.get("prompt"), vocab_size)
-    sampling = {k: v for k, v in body.items() if k in sp_names}
+    completion_samples(body)  # n > 1 is served by samples(request, n): one request per sample
+    sampling = {k: v for k, v in body.items() if k in sp_names and k != "n"}
     kwargs = read_sampling(sampling, "", prompt, vocab_size=vocab_size, max_seq_len=max_seq_len,
                            null_max_tokens=16, top_logprobs=False)
     routes = body.get("return_routed_experts")
@@ -213,6 +233,17 @@ def render_completion(out: GenerateOutput, request: GenerateRequest, *, model: s
     return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(created), "model": model,
             "choices": [choice], "service_tier": None, "system_fingerprint": None, "usage": usage,
             "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+
+
+def render_completions(outs: list[GenerateOutput], request: GenerateRequest, **kw) -> dict:
+    """``CompletionResponse`` JSON for ``n`` samples of one prompt (:func:`render_completion`'s
+    arguments): ``choices[i]`` is sample i; usage counts the prompt once and every sample's tokens."""
+    bodies = [render_completion(out, request, **kw) for out in outs]
+    body = bodies[0]
+    body["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
+    g = sum(b["usage"]["completion_tokens"] for b in bodies)
+    body["usage"].update(completion_tokens=g, total_tokens=body["usage"]["prompt_tokens"] + g)
+    return body
 
 
 def render_generate(out: GenerateOutput, request: GenerateRequest, *, request_id: str) -> dict:

@@ -101,6 +101,29 @@ def test_openai_client_drives_completions(served):
         client.completions.create(model="gpt-4", prompt=[1, 2], max_tokens=2)
 
 
+def test_completions_n_samples_share_one_prefill(served):
+    """vLLM's n: the samples of one prompt, seeded seed + i, prefill it once and equal each run alone."""
+    engine, url = served
+    prompt = np.random.default_rng(11).integers(0, 256, 41).tolist()  # 5 whole pages of 8, then 1 token
+    before = engine.stats["prefill_tokens"]
+    r = httpx.post(url + "/v1/completions", json={
+        "prompt": prompt, "n": 4, "seed": 7, "temperature": 1.0, "max_tokens": 6, "logprobs": 0,
+        "return_token_ids": True, "return_routed_experts": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert engine.stats["prefill_tokens"] - before == 41 + 3
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["usage"]["prompt_tokens"] == 41 and body["usage"]["completion_tokens"] == 24
+    for i, choice in enumerate(body["choices"]):
+        [alone] = engine.generate([GenerateRequest(prompt, max_tokens=6, temperature=1.0, seed=7 + i,
+                                                   return_routed_experts=True)])
+        assert choice["token_ids"] == alone.output_ids
+        np.testing.assert_allclose(choice["logprobs"]["token_logprobs"], alone.logprobs, atol=2e-5)
+        routes = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])))
+        np.testing.assert_array_equal(routes, alone.routed_experts)
+    assert len({tuple(c["token_ids"]) for c in body["choices"]}) > 1  # distinct seeds, distinct samples
+
+
 BAD = [  # (path, body, status, the field the peer's error names)
     ("/skyrl/v1/generate", {"model": "m", "sampling_params": {"max_tokens": 2}}, 400, "token_ids"),
     ("/skyrl/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2,
@@ -111,6 +134,9 @@ BAD = [  # (path, body, status, the field the peer's error names)
     ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"n": 2}}, 400, "sampling_params.n"),
     ("/v1/completions", {"prompt": [1, 2], "max_tokens": 63}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": [[1], [2]]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1], "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": [1], "n": 257}, 400, "n"),
+    ("/v1/completions", {"prompt": [1], "n": True}, 400, "n"),
     ("/v1/completions", {"prompt": [1], "logprobs": 5}, 400, "logprobs"),
     ("/v1/completions", {"model": "other", "prompt": [1]}, 404, "model"),
     ("/generate", {"input_ids": [1, 2], "return_routed_experts": True, "routed_experts_start_len": 3}, 400,
