@@ -116,7 +116,9 @@ BAD = [
     ({"logprobs": 2}, "logprobs"),
     ({"echo": True}, "echo"),
     ({"stream": True}, "stream"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 257}, "n"),
+    ({"n": 2.0}, "n"),
     ({"stop": ["\n"]}, "stop"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 100}, "max_tokens"),
@@ -127,6 +129,17 @@ BAD = [
     ({"session_id": 3}, "session_id"),
     ({"no_such_field": 1}, "no_such_field"),
 ]
+
+
+def test_n_samples_of_one_prompt():
+    """n is read apart from the sampling fields: samples(request, n) seeds sample i with seed + i."""
+    body = _body(n=3, seed=2**64 - 2, temperature=1.0)
+    req = _parse(body, vocab_size=100, max_seq_len=64)
+    assert vllm.completion_samples(body) == 3 and vllm.completion_samples(_body()) == 1
+    assert [r.seed for r in vllm.samples(req, 3)] == [2**64 - 2, 2**64 - 1, 0]
+    assert all(r.prompt_ids == req.prompt_ids and r.max_tokens == 4 for r in vllm.samples(req, 3))
+    unseeded = _parse(_body(n=2), vocab_size=100, max_seq_len=64)
+    assert [r.seed for r in vllm.samples(unseeded, 2)] == [None, None]
 
 
 @pytest.mark.parametrize("change,field", BAD)
