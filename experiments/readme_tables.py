@@ -369,14 +369,12 @@ SECTIONS = [
             "Greedy decode with routes captured against Hugging Face transformers `generate` (torch, fp32) and "
             "Tunix 0.1.7's `Sampler` (peer config only, its own venv) on the same weights. `hf_same_tokens` / "
             "Tunix's: fraction of rows whose continuation equals ours token for token; a speed ratio is shown "
-            "only where it is 1. Our models run with unrolled layers on CPU. On this CPU the "
-            "paged engine does not reach the goals (≥ 1.5× HF at B ≥ 8, ≥ 2× Tunix at B = 8): it beats HF on tiny "
-            "at B ≤ 8 (and on small_100m at B = 32, where HF's run dipped) and Tunix by 1.0–1.4×. The measured causes ([Where a decode step's time goes]"
-            "(#where-a-decode-steps-time-goes)): one token per request per step, with the host's per-step work "
-            "(placing the inputs, calling the program) as long as the device step for models this small; and "
-            "for small_100m an XLA:CPU device step (63 ms at B = 8) longer than HF's whole step (48 ms). The slot "
-            "engine it replaced decoded 8 tokens per device call and measured tiny 4.9× / 2.5× HF at B = 8 / 32 "
-            "and small_100m 2.0× / 0.90× (its result file predates provenance records).", bench_decode),
+            "only where it is 1. Our models run with unrolled layers on CPU; the engine decodes 8 steps per "
+            "device call (`decode_steps`). Against the goals (≥ 1.5× HF at B = 8 and 32, ≥ 2× Tunix at B = 8) "
+            "on this CPU: tiny reaches the HF goal at B ≤ 32; the peer config is 1.36× HF at B = 8, below HF "
+            "at B ≥ 32, and 0.77–1.17× Tunix; small_100m is 1.37× HF at B = 8 and below it from B = 32. "
+            "[Where a decode step's time goes](#where-a-decode-steps-time-goes) breaks a step down (measured "
+            "before the decode loop).", bench_decode),
     Section("bench_dtype", "The rollout engine in bf16 and fp32", "python -m experiments.bench_dtype",
             "One fp32 model, two engines of the same shape: `Engine(dtype=jnp.bfloat16)` (a bf16 rollout server) "
             "and fp32, on tiny and the peer config. On CPU the page pool keeps 16-bit floats as their uint16 "
