@@ -186,10 +186,16 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
         def parse(body, request):
             if isinstance(body, dict) and body.get("text") is not None and body.get("input_ids") is None:
                 body = {**body, "input_ids": encode_text("text", body["text"]), "text": None}
-            return sglang.parse_generate(body, **limits)
+            req = sglang.parse_generate(body, **limits)
+            n = sglang.generate_samples(body)
+            return req if n == 1 else vllm.samples(req, n)
 
         def render(body, req, out):
             rid = body.get("rid") or uuid.uuid4().hex
+            if isinstance(out, list):  # n > 1: SGLang's list, one object per sample
+                objs = [sglang.render_generate(o, req[0], num_experts=num_experts, rid=f"{rid}-{i}",
+                                               text=text_of(o.output_ids)) for i, o in enumerate(out)]
+                return _json_response(objs), sum(len(o["meta_info"].get("routed_experts") or "") for o in objs)
             obj = sglang.render_generate(out, req, num_experts=num_experts, rid=rid, text=text_of(out.output_ids))
             return _json_response(obj), len(obj["meta_info"].get("routed_experts") or "")
 

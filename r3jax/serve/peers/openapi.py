@@ -80,9 +80,10 @@ def vllm_completions_body() -> dict:
 def sglang_body() -> dict:
     doc = ("SGLang GenerateReqInput (non-streaming). Answer: {text, output_ids, meta_info: {id, finish_reason, "
            "prompt_tokens, completion_tokens, cached_tokens, weight_version, output_token_logprobs, "
-           "routed_experts: base64 int32 [rows, L, K]}}")
-    sampling = _object((*sglang.SAMPLING_READ, *sglang.SAMPLING_FREE), sglang.SAMPLING_DEFAULTS,
-                       doc="SGLang sampling_params")
+           "routed_experts: base64 int32 [rows, L, K]}}; with sampling_params.n > 1 (1.."
+           f"{sglang.MAX_N}) a list of n such objects from one prefill, seeded sampling_seed + i")
+    sampling = _object((*sglang.SAMPLING_READ, *sglang.SAMPLING_FREE, "n"),
+                       {k: v for k, v in sglang.SAMPLING_DEFAULTS.items() if k != "n"}, doc="SGLang sampling_params")
     return _body(_object(sglang.BODY_READ, sglang.BODY_DEFAULTS, nested={"sampling_params": sampling}, doc=doc))
 
 

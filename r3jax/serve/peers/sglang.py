@@ -64,6 +64,17 @@ def decode_routes(text: Any, num_experts: int, num_layers: int, top_k: int) -> n
 # Server direction.
 
 
+MAX_N = 256  # samples of one prompt a /generate request may ask for
+
+
+def generate_samples(body: Any) -> int:
+    """A ``/generate`` body's ``sampling_params.n`` (SGLang's parallel sampling): how many samples of its
+    prompt to return, 1..``MAX_N`` (null or absent: 1). SGLang answers n > 1 with a list, one object each."""
+    sp = body.get("sampling_params") if isinstance(body, Mapping) else None
+    n = sp.get("n") if isinstance(sp, Mapping) else None
+    return 1 if n is None else check_int("sampling_params.n", n, 1, MAX_N)
+
+
 def parse_generate(body: Any, *, vocab_size: int | None = None, max_seq_len: int | None = None) -> GenerateRequest:
     """An SGLang ``/generate`` body with ``input_ids`` → ``GenerateRequest`` (SGLang's defaults:
     128 new tokens, no logprobs; ``routed_experts_start_len`` is checked only when routes are asked
@@ -82,7 +93,8 @@ def parse_generate(body: Any, *, vocab_size: int | None = None, max_seq_len: int
         prompt = common.token_ids("input_ids", ids, vocab_size)
     sp = common.mapping("sampling_params", body.get("sampling_params"))
     common.refuse_unknown(sp, (*SAMPLING_READ, *SAMPLING_FREE, *SAMPLING_DEFAULTS), "sampling_params.")
-    common.only_defaults(sp, SAMPLING_DEFAULTS, "sampling_params.")
+    generate_samples(body)  # n > 1 is served as one request per sample (r3jax.serve.peers.vllm.samples)
+    common.only_defaults({k: v for k, v in sp.items() if k != "n"}, SAMPLING_DEFAULTS, "sampling_params.")
     for key in SAMPLING_FREE:
         if sp.get(key) is not None:
             common.flag(f"sampling_params.{key}", sp[key])

@@ -124,6 +124,26 @@ def test_completions_n_samples_share_one_prefill(served):
     assert len({tuple(c["token_ids"]) for c in body["choices"]}) > 1  # distinct seeds, distinct samples
 
 
+def test_sglang_n_samples_are_a_list_sharing_one_prefill(served):
+    """SGLang's parallel sampling: n > 1 answers a list, one object per sample, from one prefill."""
+    engine, url = served
+    prompt = np.random.default_rng(12).integers(0, 256, 41).tolist()
+    before = engine.stats["prefill_tokens"]
+    r = httpx.post(url + "/generate", json={
+        "input_ids": prompt, "return_routed_experts": True, "return_logprob": True, "rid": "g",
+        "sampling_params": {"n": 3, "sampling_seed": 9, "temperature": 1.0, "max_new_tokens": 5}}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert engine.stats["prefill_tokens"] - before == 41 + 2
+    objs = r.json()
+    assert isinstance(objs, list) and [o["meta_info"]["id"] for o in objs] == ["g-0", "g-1", "g-2"]
+    for i, obj in enumerate(objs):
+        [alone] = engine.generate([GenerateRequest(prompt, max_tokens=5, temperature=1.0, seed=9 + i,
+                                                   return_routed_experts=True)])
+        assert obj["output_ids"] == alone.output_ids
+        routes = np.frombuffer(base64.b64decode(obj["meta_info"]["routed_experts"]), "<i4").reshape(-1, 2, 2)
+        np.testing.assert_array_equal(routes, alone.routed_experts)
+
+
 BAD = [  # (path, body, status, the field the peer's error names)
     ("/skyrl/v1/generate", {"model": "m", "sampling_params": {"max_tokens": 2}}, 400, "token_ids"),
     ("/skyrl/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2,
@@ -143,6 +163,7 @@ BAD = [  # (path, body, status, the field the peer's error names)
      "routed_experts_start_len"),
     ("/generate", {"input_ids": [1], "sampling_params": {"top_k": 0}}, 400, "sampling_params.top_k"),
     ("/generate", {"input_ids": [1], "stream": True}, 400, "stream"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"n": 0}}, 400, "sampling_params.n"),
     ("/detokenize", {"tokens": [1, -1]}, 400, "tokens[1]"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     # the engine's int32 / float32 limits (a top_k >= 2**31 used to fail the whole decode batch)

@@ -110,12 +110,21 @@ BAD = [
     (_body(sp={"max_new_tokens": 0}), "sampling_params.max_new_tokens"),
     (_body(sp={"top_k": 0}), "sampling_params.top_k"),
     (_body(sp={"temperature": -1}), "sampling_params.temperature"),
-    (_body(sp={"n": 3}), "sampling_params.n"),
+    (_body(sp={"n": 0}), "sampling_params.n"),
+    (_body(sp={"n": 257}), "sampling_params.n"),
+    (_body(sp={"n": "3"}), "sampling_params.n"),
     (_body(sp={"stop": ["x"]}), "sampling_params.stop"),
     (_body(sp={"sampling_seed": 1.5}), "sampling_params.sampling_seed"),
     (_body(sp={"max_tokens": 4}), "sampling_params.max_tokens"),
     (_body(sampling_params=[1]), "sampling_params"),
 ]
+
+
+def test_n_samples_of_one_prompt():
+    body = _body(sp={"n": 3, "sampling_seed": 5})
+    req = sglang.parse_generate(body, vocab_size=100, max_seq_len=64)
+    assert sglang.generate_samples(body) == 3 and sglang.generate_samples(_body()) == 1
+    assert req.seed == 5 and req.max_tokens == 4
 
 
 @pytest.mark.parametrize("body,field", BAD)
