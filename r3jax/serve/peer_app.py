@@ -30,6 +30,7 @@ from r3jax.checks import FieldError, check_text
 from r3jax.serve.dispatch import Disconnected, ServeContext, Unavailable
 from r3jax.serve.peers import sglang, skyrl, vllm
 from r3jax.serve.peers import openapi as peer_openapi
+from r3jax.serve.peers.common import samples as peer_samples
 from r3jax.serve.peers.common import token_ids
 from r3jax.serve.schema import load_json
 
@@ -160,7 +161,7 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
             req = vllm.parse_completion(body, served_model=served_model, return_routed_experts_default=routes_default,
                                         session_id=request.headers.get(skyrl.SESSION_HEADER), **limits)
             n = vllm.completion_samples(body)
-            return req if n == 1 else vllm.samples(req, n)
+            return req if n == 1 else peer_samples(req, n)
 
         def render(body, req, out):
             kw = dict(model=served_model, request_id=_request_id(body), created=int(time.time()),
@@ -188,7 +189,7 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
                 body = {**body, "input_ids": encode_text("text", body["text"]), "text": None}
             req = sglang.parse_generate(body, **limits)
             n = sglang.generate_samples(body)
-            return req if n == 1 else vllm.samples(req, n)
+            return req if n == 1 else peer_samples(req, n)
 
         def render(body, req, out):
             rid = body.get("rid") or uuid.uuid4().hex

@@ -10,6 +10,7 @@ except the one documented case in :func:`route_rows` (a peer that ignored the pr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import numbers
 from typing import Any, Iterable, Mapping
@@ -186,3 +187,12 @@ def route_rows(routes: np.ndarray, request, g: int, *, num_experts: int, num_lay
     with reading(where, "routed_experts"):
         check_route_ids(routes, num_experts, "routed_experts")
     return routes.astype(route_dtype(num_experts))
+
+
+def samples(request, n: int) -> list:
+    """``n`` requests (:class:`r3jax.engine.GenerateRequest`) for one prompt, submitted together so the
+    engine prefills it once. With a seed s, sample i is seeded s + i (mod 2**64): reproducible and
+    distinct; without one, each draws its own."""
+    if request.seed is None:
+        return [request] * n
+    return [dataclasses.replace(request, seed=(request.seed + i) % (1 << 64)) for i in range(n)]

@@ -93,7 +93,7 @@ def parse_generate(body: Any, *, vocab_size: int | None = None, max_seq_len: int
         prompt = common.token_ids("input_ids", ids, vocab_size)
     sp = common.mapping("sampling_params", body.get("sampling_params"))
     common.refuse_unknown(sp, (*SAMPLING_READ, *SAMPLING_FREE, *SAMPLING_DEFAULTS), "sampling_params.")
-    generate_samples(body)  # n > 1 is served as one request per sample (r3jax.serve.peers.vllm.samples)
+    generate_samples(body)  # n > 1 is served as one request per sample (common.samples)
     common.only_defaults({k: v for k, v in sp.items() if k != "n"}, SAMPLING_DEFAULTS, "sampling_params.")
     for key in SAMPLING_FREE:
         if sp.get(key) is not None:

@@ -12,7 +12,6 @@ Sources: docs/peers.md.
 from __future__ import annotations
 
 import base64
-import dataclasses
 import binascii
 import io
 import json
@@ -23,6 +22,7 @@ import numpy as np
 from r3jax.checks import FieldError, check_int, check_prompt_start, check_route_ids, is_int
 from r3jax.engine.request import DEFAULT_LOGPROBS_MODE, GenerateOutput, GenerateRequest, check_logprobs_mode
 from r3jax.serve.peers import common
+from r3jax.serve.peers.common import samples  # noqa: F401  (n samples: every peer's form)
 from r3jax.serve.protocol import ProtocolError, logprobs_mode_field
 
 # vLLM SamplingParams fields that only shape text or streaming (r3jax returns token ids, no EOS).
@@ -160,14 +160,6 @@ def completion_samples(body: Any) -> int:
     return, 1..``MAX_N`` (null or absent: 1)."""
     n = body.get("n") if isinstance(body, Mapping) else None
     return 1 if n is None else check_int("n", n, 1, MAX_N)
-
-
-def samples(request: GenerateRequest, n: int) -> list[GenerateRequest]:
-    """``n`` requests for one prompt, submitted together so the engine prefills it once. With a seed s,
-    sample i is seeded s + i (mod 2**64): reproducible and distinct; without one, each draws its own."""
-    if request.seed is None:
-        return [request] * n
-    return [dataclasses.replace(request, seed=(request.seed + i) % (1 << 64)) for i in range(n)]
 
 
 def parse_completion(body: Any, *, served_model: str, return_routed_experts_default: bool = False,
