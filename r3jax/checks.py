@@ -34,6 +34,7 @@ from models.fields import FieldError, _short, check_route_ids, is_int, nests_dee
 
 INT32_MAX = 2**31 - 1  # lengths, token ids and top_k travel to the device as int32
 SEED_MAX = 2**64 - 1  # a seed becomes a 64-bit PRNG key (two uint32 words)
+MAX_SAMPLES = 256  # samples of one prompt that one request may ask for (n), in every protocol
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # temperature / top_p travel as float32
 
 

@@ -6,7 +6,7 @@ Endpoints::
                         until every device program is compiled, 503 {"status": "failed", "reason": ...}
                         once the engine cannot continue (or its warm-up failed), 503 while shutting down)
     GET  /v1/model      ModelInfo: E, K, L, moe_layer_ids, vocab_size, max_seq_len, weight_version
-    POST /v1/generate   GenerateBody -> GenerateResponse
+    POST /v1/generate   GenerateBody -> GenerateResponse (n > 1: GenerateSamplesResponse)
     POST /v1/weights    {"path": dir, "format": "orbax" | "safetensors"} -> {"weight_version": n};
                         ``?abort_in_flight=true`` fails requests in flight (503, retryable) instead of
                         letting them finish on the old weights first
@@ -56,6 +56,7 @@ from r3jax.serve import schema
 from r3jax.serve.batcher import EngineBridge
 from r3jax.serve.dispatch import Disconnected, ServeContext, Unavailable
 from r3jax.serve.peer_app import add_peer_endpoints, with_version
+from r3jax.serve.peers.common import samples
 from r3jax.serve.protocol import BINARY_MEDIA_TYPE
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
@@ -137,14 +138,17 @@ class Guard:
         return versioned_send
 
 
-def _response(out, layers: list[int], binary: bool) -> tuple[Response, int]:
-    """The ``/v1/generate`` answer for ``out`` and its route bytes on the wire."""
-    obj, frame = schema.output_json(out, layers, binary_routes=binary)
+def _response(outs: list, layers: list[int], binary: bool, many: bool) -> tuple[Response, int]:
+    """The ``/v1/generate`` answer and its route bytes on the wire: one output's object, or with
+    ``many`` (n > 1) ``{"outputs": [...]}``; binary framing puts every route frame after the JSON, in order."""
+    parts = [schema.output_json(out, layers, binary_routes=binary) for out in outs]
+    objs = [obj for obj, _ in parts]
+    obj = {"outputs": objs} if many else objs[0]
     if not binary:
-        wire = len(obj["routed_experts"]["data"]) if obj.get("routed_experts") else 0
-        return _json(obj), wire
+        return _json(obj), sum(len(o["routed_experts"]["data"]) for o in objs if o.get("routed_experts"))
     head = json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
-    return Response(struct.pack("<I", len(head)) + head + frame, media_type=BINARY_MEDIA_TYPE), len(frame)
+    frames = b"".join(frame for _, frame in parts)
+    return Response(struct.pack("<I", len(head)) + head + frames, media_type=BINARY_MEDIA_TYPE), len(frames)
 
 
 def _unavailable(detail: str, error: str = "unavailable") -> Response:
@@ -275,15 +279,16 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
                 "routes": {"gather_s": float(eng.get("route_gather_s", 0.0)), **ctx.route_stats},
                 "engine": eng}
 
-    @app.post("/v1/generate", responses={200: {"model": schema.GenerateResponse},
+    @app.post("/v1/generate", responses={200: {"model": schema.GenerateResponse | schema.GenerateSamplesResponse},
                                          422: {"description": "invalid field"},
                                          503: {"description": "not served; retry (see Retry-After)"}},
               openapi_extra=_body_schema("GenerateBody"))
     async def generate(request: Request):
         body = schema.parse_json(await request.body(), schema.GenerateBody)
         req = schema.to_request(body, limits)
+        n = body.sampling_params.n
         try:
-            out = await ctx.generate(request, req)
+            outs = await ctx.generate_all(request, [req] if n == 1 else samples(req, n))
         except Disconnected:
             return Response(status_code=499)
         except Unavailable as e:
@@ -291,8 +296,8 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
         except FieldError as e:  # the engine refused it: still the client's input
             raise schema.InputError(_body_field(e.field), e.message) from None
         binary = BINARY_MEDIA_TYPE in request.headers.get("accept", "")
-        response = await ctx.render("r3jax", out, lambda: _response(out, layers, binary))
-        return with_version(response, out.weight_version)  # the weights that produced this answer
+        response = await ctx.render("r3jax", outs, lambda: _response(outs, layers, binary, n > 1))
+        return with_version(response, outs[0].weight_version)  # the weights that produced this answer
 
     @app.post("/v1/weights", openapi_extra=_body_schema("WeightsBody"))
     async def weights(request: Request):

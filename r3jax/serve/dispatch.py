@@ -65,44 +65,66 @@ class ServeContext:
 
     async def generate(self, request: Request, req) -> Any:
         """The engine's ``GenerateOutput`` for ``req`` (raises FieldError, Unavailable, Disconnected)."""
-        self.count_session(req.session_id)
-        task = asyncio.ensure_future(self.bridge.submit(req))
+        return (await self.generate_all(request, [req]))[0]
+
+    async def generate_all(self, request: Request, reqs: list) -> list:
+        """Outputs of ``reqs`` (one prompt's samples), submitted together so the engine prefills the
+        prompt once. All or nothing: when one fails or the client leaves, the others are cancelled,
+        and samples that finished under different weights are :class:`Unavailable` (``aborted``)."""
+        self.count_session(reqs[0].session_id)
+        tasks = [asyncio.ensure_future(self.bridge.submit(r)) for r in reqs]
+        every = asyncio.gather(*tasks)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({every, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            _cancel(tasks)
+            raise
         finally:
             gone.cancel()
-        if not task.done():  # the client went away: cancel, which frees the request's slot
-            task.cancel()
+        if not every.done():  # the client went away: cancel, which frees the requests' pages
+            _cancel(tasks)
             raise Disconnected()
         try:
-            return task.result()
+            outs = every.result()
         except ShuttingDown as e:  # also Overloaded: not started, so safe to retry
             raise Unavailable(str(e)) from None
         except EngineFailedError as e:  # this replica cannot serve any more: retry on another
             raise Unavailable(str(e), "engine_failed") from None
         except EngineAborted as e:  # stopped by a weight update: nothing was returned, retry it
             raise Unavailable(str(e), "aborted") from None
+        finally:
+            _cancel(tasks)  # after one sample's error the others still run: nobody would read them
+        if len({o.weight_version for o in outs}) > 1:
+            raise Unavailable("the weights changed while the samples ran; retry the request", "aborted")
+        return outs
 
-    async def render(self, protocol: str, out, encode: Callable[[], tuple[Any, int]]) -> Any:
-        """``encode()`` -> ``(response, route wire bytes)``, timed into ``route_stats``; run in a
-        worker thread when the routes are large (base64 + JSON of MBs would stall the loop)."""
-        routes = out.routed_experts
+    async def render(self, protocol: str, outs: list, encode: Callable[[], tuple[Any, int]]) -> Any:
+        """``encode()`` -> ``(response, route wire bytes)`` for the outputs ``outs`` (one per sample),
+        timed into ``route_stats``; run in a worker thread when the routes are large (base64 + JSON
+        of MBs would stall the loop)."""
+        routes = [o.routed_experts for o in outs if o.routed_experts is not None]
 
         def timed():
             t0 = time.perf_counter()
             response, wire = encode()
-            if routes is not None:
+            if routes:
                 self.route_stats["encode_s"] += time.perf_counter() - t0
-                self.route_stats["rows"] += int(routes.shape[0])
+                self.route_stats["rows"] += sum(int(r.shape[0]) for r in routes)
                 self.route_stats["bytes"] += int(wire)
                 self.route_stats["responses"] += 1
             return response
 
         self.protocols[protocol] += 1
-        if routes is not None and routes.nbytes > OFFLOAD_BYTES:
+        if sum(r.nbytes for r in routes) > OFFLOAD_BYTES:
             return await asyncio.to_thread(timed)
         return timed()
+
+
+def _cancel(tasks) -> None:
+    for task in tasks:
+        if not task.done():
+            task.cancel()
 
 
 async def _disconnected(request: Request) -> None:

@@ -17,7 +17,6 @@ parsers), which :class:`~r3jax.serve.RemoteInferenceClient` reads. Bad input is 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -114,9 +113,7 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
             return _error(peer, e)
         reqs = req if isinstance(req, list) else [req]  # several: one prompt's samples, submitted together
         try:
-            outs = await asyncio.gather(*(ctx.generate(request, r) for r in reqs))
-            if len({o.weight_version for o in outs}) > 1:
-                raise Unavailable("the weights changed while the samples ran; retry the request", "aborted")
+            outs = await ctx.generate_all(request, reqs)
         except FieldError as e:
             return _error(peer, _peer_field(peer, e))
         except Unavailable as e:
@@ -124,7 +121,7 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
         except Disconnected:
             return Response(status_code=499)
         out = outs if isinstance(req, list) else outs[0]
-        response = await ctx.render(peer, outs[0], lambda: render(body, req, out))
+        response = await ctx.render(peer, outs, lambda: render(body, req, out))
         return with_version(response, outs[0].weight_version)  # the answer's own (errors: the app's Guard)
 
     # ---- SkyRL ------------------------------------------------------------------------------------

@@ -66,6 +66,8 @@ class SamplingParams(_Strict):
     stop_token_ids: list[int] = Field(default_factory=list, description="ids in [0, vocab_size)")
     routed_experts_prompt_start: int = Field(
         0, description="s in [0, len(prompt_ids)]: routes come back for positions [s, P + G - 1)")
+    n: int = Field(1, description=f"samples of the prompt, in [1, {checks.MAX_SAMPLES}]: they share one "
+                   "prefill, sample i is seeded seed + i, and n > 1 answers {\"outputs\": [one response each]}")
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
         "raw_logprobs", description="vLLM's names: raw_logprobs = log_softmax of the model's logits; "
         "processed_logprobs = after temperature and top-k/top-p (the distribution that sampled)")
@@ -108,6 +110,13 @@ class GenerateResponse(BaseModel):
     prompt_tokens: int
     cached_tokens: int
     weight_version: int
+
+
+class GenerateSamplesResponse(BaseModel):
+    """``POST /v1/generate`` response when ``sampling_params.n`` > 1: one response per sample, in
+    seed order (binary framing: each carries ``routed_experts_binary``, the frames follow in order)."""
+
+    outputs: list[GenerateResponse]
 
 
 class ModelInfo(BaseModel):
@@ -227,6 +236,7 @@ def to_request(body: GenerateBody, limits: Limits):
         if not 0 <= tok < vocab:
             raise InputError(f"prompt_ids[{i}]", f"prompt_ids[{i}]={tok}: expected a token id in "
                              f"[0, vocab_size={vocab})")
+    _in_range("sampling_params.n", sp.n, 1, checks.MAX_SAMPLES)
     _in_range("sampling_params.max_tokens", sp.max_tokens, 1, max_len - len(prompt),
               f" (max_seq_len {max_len} - prompt length {len(prompt)})")
     try:  # the rules every protocol shares: the engine's int32 / float32 limits

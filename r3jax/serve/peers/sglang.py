@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from r3jax import routes as routes_lib
-from r3jax.checks import FieldError, check_int, check_prompt_start, check_route_ids, is_int
+from r3jax.checks import MAX_SAMPLES, FieldError, check_int, check_prompt_start, check_route_ids, is_int
 from r3jax.engine.request import DEFAULT_LOGPROBS_MODE, GenerateOutput, GenerateRequest, check_logprobs_mode
 from r3jax.serve.peers import common
 from r3jax.serve.protocol import ProtocolError, logprobs_mode_field
@@ -64,7 +64,7 @@ def decode_routes(text: Any, num_experts: int, num_layers: int, top_k: int) -> n
 # Server direction.
 
 
-MAX_N = 256  # samples of one prompt a /generate request may ask for
+MAX_N = MAX_SAMPLES  # samples of one prompt a request may ask for
 
 
 def generate_samples(body: Any) -> int:

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from r3jax.checks import FieldError, check_int, check_prompt_start, check_route_ids, is_int
+from r3jax.checks import MAX_SAMPLES, FieldError, check_int, check_prompt_start, check_route_ids, is_int
 from r3jax.engine.request import DEFAULT_LOGPROBS_MODE, GenerateOutput, GenerateRequest, check_logprobs_mode
 from r3jax.serve.peers import common
 from r3jax.serve.peers.common import samples  # noqa: F401  (n samples: every peer's form)
@@ -152,7 +152,7 @@ COMPLETION_DEFAULTS = {
 }
 
 
-MAX_N = 256  # samples of one prompt a completions request may ask for
+MAX_N = MAX_SAMPLES  # samples of one prompt a request may ask for
 
 
 def completion_samples(body: Any) -> int:

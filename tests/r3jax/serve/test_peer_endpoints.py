@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import io
 import json
+import struct
 import threading
 
 import httpx
@@ -23,7 +24,9 @@ from hypothesis import strategies as st
 from models import MoeConfig, MoeTransformer
 from r3jax.engine import Engine, GenerateRequest
 from r3jax.rollout import ByteTokenizer
+from r3jax.routes import decode_binary
 from r3jax.serve import RemoteInferenceClient, RemoteInputError, create_app
+from r3jax.serve.protocol import BINARY_MEDIA_TYPE
 
 # the engine tests' configuration (tests/r3jax/serve/test_app.py): the same programs, from the cache
 ENGINE_KW = dict(max_seq_len=64, max_batch_size=4, block_size=8, prefill_chunk=32,
@@ -142,6 +145,45 @@ def test_sglang_n_samples_are_a_list_sharing_one_prefill(served):
         assert obj["output_ids"] == alone.output_ids
         routes = np.frombuffer(base64.b64decode(obj["meta_info"]["routed_experts"]), "<i4").reshape(-1, 2, 2)
         np.testing.assert_array_equal(routes, alone.routed_experts)
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_r3jax_n_samples_share_one_prefill(served, binary):
+    """r3jax's own n: ``{"outputs": [...]}`` in seed order from one prefill, each equal to its request
+    alone; binary framing puts each sample's route frame after the JSON, in order."""
+    engine, url = served
+    prompt = np.random.default_rng(13 + binary).integers(0, 256, 41).tolist()
+    before = engine.stats["prefill_tokens"]
+    headers = {"Accept": BINARY_MEDIA_TYPE} if binary else {}
+    r = httpx.post(url + "/v1/generate", headers=headers, timeout=120, json={
+        "prompt_ids": prompt, "return_routed_experts": True,
+        "sampling_params": {"n": 3, "seed": 5, "temperature": 1.0, "max_tokens": 5,
+                            "routed_experts_prompt_start": 3}})
+    assert r.status_code == 200, r.text
+    assert engine.stats["prefill_tokens"] - before == 41 + 2
+    if binary:
+        (head,) = struct.unpack_from("<I", r.content)
+        objs, frames = json.loads(r.content[4:4 + head])["outputs"], r.content[4 + head:]
+        assert sum(o["routed_experts_binary"] for o in objs) == len(frames)
+    else:
+        objs = r.json()["outputs"]
+    assert len(objs) == 3
+    for i, obj in enumerate(objs):
+        [alone] = engine.generate([GenerateRequest(prompt, max_tokens=5, temperature=1.0, seed=5 + i,
+                                                   return_routed_experts=True, routed_experts_prompt_start=3)])
+        assert obj["output_ids"] == alone.output_ids and obj["prompt_tokens"] == 41
+        np.testing.assert_allclose(obj["logprobs"], alone.logprobs, atol=2e-5)
+        if binary:
+            size = obj["routed_experts_binary"]
+            routes, start, _ = decode_binary(frames[:size])
+            frames = frames[size:]
+        else:
+            wire = obj["routed_experts"]
+            routes = np.frombuffer(base64.b64decode(wire["data"]), wire["dtype"]).reshape(wire["shape"])
+            start = wire["start"]
+        assert start == 3
+        np.testing.assert_array_equal(routes, alone.routed_experts)
+    assert len({tuple(o["output_ids"]) for o in objs}) > 1
 
 
 BAD = [  # (path, body, status, the field the peer's error names)
