@@ -169,18 +169,18 @@ def train_program(cfg: MoeConfig, devices, *, rows: int, seq_len: int, rl_batch:
 
 def decode_program(cfg: MoeConfig, devices, *, slots: int, seq_len: int, decode_steps: int = 8,
                    block_size: int = 16, stop_width: int = 64, layout=None):
-    """The engine's step (:func:`r3jax.engine.step.step`) as a decode-only step: ``slots`` decode rows
-    of one token each, every row's page table as long as a ``seq_len`` request, over a pool of
-    ``1 + slots * pages_per_row`` pages of ``block_size`` tokens (the engine's default pool without a
-    prefix cache); returns ``(jitted, args, info)``. The program is traced under the mesh, so the
-    paged attention's ``"auto"`` sees the target's devices (the Pallas kernel on a TPU topology,
-    :mod:`models.paged`). ``decode_steps`` and ``stop_width`` are kept for callers: a ragged step feeds
-    one token per row and the engine's stop check runs on the host.
+    """The engine's decode program: ``slots`` decode rows, every row's page table as long as a
+    ``seq_len`` request, over a pool of ``1 + slots * pages_per_row`` pages of ``block_size`` tokens
+    (the engine's default pool without a prefix cache); returns ``(jitted, args, info)``. With
+    ``decode_steps`` > 1 it is the engine's decode loop (:func:`r3jax.engine.step.decode_loop`:
+    ``decode_steps`` tokens per row per call, the stop check on device against ``stop_width`` stop ids
+    per row, route rows ``[decode_steps, slots, L, K]``); with 1, one step
+    (:func:`r3jax.engine.step.step`). The program is traced under the mesh, so the paged attention's
+    ``"auto"`` sees the target's devices (the Pallas kernel on a TPU topology, :mod:`models.paged`).
 
     ``layout`` (data, tensor, expert) defaults to the one of :func:`decode_layouts` with the fewest
     resident bytes per chip (parameters + pool as :class:`Placement` places them), ties to the
     larger data axis; a layout on which Placement would replicate an array (models.axes) is skipped."""
-    del decode_steps, stop_width
     from models.paged import PagedCache, RaggedLayout
     from r3jax.engine import step as engine_step
     from r3jax.engine.engine import BLOCK_TOKENS
@@ -201,7 +201,7 @@ def decode_program(cfg: MoeConfig, devices, *, slots: int, seq_len: int, decode_
         try:
             p_ = _abstract(params, place.param_shardings(params))
             r_ = _abstract(rest, jax.tree.map(lambda _: place.replicated, rest))
-            kv = place.kv(1, by_row=False)  # as Engine: [n, P, ps, Hc, Dc], heads along tensor, pages whole
+            kv = place.kv()  # as Engine: [n, P, ps, Hc, Dc], heads along tensor, pages whole
             pool = (tuple(_abstract(a, kv) for a in k), tuple(_abstract(a, kv) for a in v))
         except ReplicationError as e:  # a layout that would replicate an array: not one the engine takes
             if layout is not None:
@@ -222,24 +222,31 @@ def decode_program(cfg: MoeConfig, devices, *, slots: int, seq_len: int, decode_
                                top_k=i32(r), top_p=sds((r,), jnp.float32), processed=sds((r,), jnp.bool_))
     last = i32(slots)
     mesh = place.mesh
-    fn = functools.partial(engine_step.step, graphdef, layout=lay_step, head_only=callable(getattr(model, "logits", None)),
-                           route_dtype=rdt)
+    common = dict(layout=lay_step, head_only=callable(getattr(model, "logits", None)), route_dtype=rdt)
+    if decode_steps > 1:  # as Engine._build
+        fn = functools.partial(engine_step.decode_loop, graphdef, steps=decode_steps, page_size=block_size,
+                               route_shape=(cfg.num_moe_layers, cfg.top_k), **common)
+        extra = (i32(r, 1 + stop_width),)
+    else:
+        fn, extra = functools.partial(engine_step.step, graphdef, **common), ()
 
     def under_mesh(*args):  # the kernels choose by the target's devices (models/paged.py)
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             return fn(*args)
 
-    kv = place.kv(1, by_row=False)
+    kv = place.kv()
     out = (tuple(kv for _ in k), tuple(kv for _ in v), rep, rep, rep, rep)
     jitted = jax.jit(under_mesh, donate_argnums=(2, 3, 4), out_shardings=out)  # as Engine._build
-    routes = sds((n, cfg.num_moe_layers, cfg.top_k), rdt)  # the step's route rows (the pool's are on the host)
-    info = {"mesh": dict(zip(ENGINE_AXES, layout)), "params_bytes": chip_bytes(params),
+    # the call's route rows (the pool's are on the host)
+    rows = (decode_steps, r) if decode_steps > 1 else (n,)
+    routes = sds(rows + (cfg.num_moe_layers, cfg.top_k), rdt)
+    info = {"mesh": dict(zip(ENGINE_AXES, layout)), "decode_steps": decode_steps, "params_bytes": chip_bytes(params),
             "optimizer_bytes": 0, "params_total_bytes": full_bytes(params), "slots": slots,
             "num_pages": num_pages, "pages_per_row": pages_per_row, "step_tokens": n,
             "kv_cache_bytes": chip_bytes((k, v)), "routes_bytes": chip_bytes(routes),
             "routes_total_bytes": full_bytes(routes), "slot_state_bytes": chip_bytes((k, v, last)),
             "routes_sharding": describe_sharding(routes), "layouts_considered": len(scored)}
-    return jitted, (params, rest, k, v, last, x), info
+    return jitted, (params, rest, k, v, last, x) + extra, info
 
 
 # ---- compile -------------------------------------------------------------------------------------

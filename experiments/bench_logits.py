@@ -1,5 +1,4 @@
-"""Memory of the LM head: the train step's temporaries with chunked vs full-vocabulary logits, and
-the engine's prefill chunk with the head at the last prompt token vs on every fed position.
+"""Memory of the LM head: the train step's temporaries with chunked vs full-vocabulary logits.
 
     python -m experiments.bench_logits [--vocab 151936] [--tokens 2048,4096] [--quick]
 
@@ -8,10 +7,7 @@ Train step: the real ``r3jax.train`` step (value_and_grad of the policy loss, sg
 tokens; ``memory_analysis().temp_size_in_bytes`` with ``LossConfig.logits_chunk`` = 0 (one [S, V]
 computation) and = 512, and their ratio; ``base``: the same step at a 1024-token vocabulary (what
 attention, whose [S, S] scores XLA:CPU materialises, and the MoE hold), so ``*_head`` = temp - base
-is the LM head's and the loss's share. Prefill: :func:`r3jax.engine.slot.engine.prefill_chunk_limit`
-for the vocabulary's Qwen3-30B-A3B-shaped config (32 heads) at 8 prefill rows, with the head only at
-the last token (now) and on every position (the logits-bound rule a model without ``logits(hidden)``
-still gets). Writes experiments/results/bench_logits.json.
+is the LM head's and the loss's share. Writes experiments/results/bench_logits.json.
 """
 
 from __future__ import annotations
@@ -26,7 +22,6 @@ from experiments.common import table, write_json
 from models import MoeConfig, MoeTransformer
 from r3jax import train
 from r3jax.batch import Batch
-from r3jax.engine.slot.engine import prefill_chunk_limit
 
 WIDTHS = dict(hidden_size=64, num_layers=2, first_dense_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
               num_experts=8, top_k=2, moe_intermediate_size=32, dense_intermediate_size=64)
@@ -68,18 +63,6 @@ def train_temp(vocab: int, s: int) -> dict:
             "head_chunked_over_full": (temp[CHUNK] - base) / (temp[0] - base)}
 
 
-def prefill_rows(vocab: int) -> list[dict]:
-    cfg = MoeConfig.qwen3_30b_a3b(vocab_size=vocab)
-    out = []
-    for seq_len in (4096, 32768):
-        for prefill_chunk in (256, 4096):
-            old = prefill_chunk_limit(cfg, 8, seq_len, prefill_chunk, head_only=False)
-            new = prefill_chunk_limit(cfg, 8, seq_len, prefill_chunk, head_only=True)
-            out.append({"vocab": vocab, "num_heads": cfg.num_heads, "rows": 8, "max_seq_len": seq_len,
-                        "prefill_chunk": prefill_chunk, "old_cap": old, "new_cap": new})
-    return out
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--vocab", type=int, default=151936)
@@ -95,9 +78,7 @@ def main():
     print(table(rows, ["vocab", "tokens", "hidden", "chunk", "logits_f32_mib", "full_temp_mib", "chunked_temp_mib",
                        "chunked_over_full", "base_temp_mib", "full_head_mib", "chunked_head_mib",
                        "head_chunked_over_full"]))
-    prefill = prefill_rows(vocab)
-    print(table(prefill, ["vocab", "num_heads", "rows", "max_seq_len", "prefill_chunk", "old_cap", "new_cap"]))
-    print("wrote", write_json("bench_logits", {"train": rows, "prefill": prefill, "widths": WIDTHS,
+    print("wrote", write_json("bench_logits", {"train": rows, "widths": WIDTHS,
                                                "note": "compiled on XLA:CPU (not run); temp bytes per program"}))
 
 

@@ -1,14 +1,16 @@
-"""The paged engine (:class:`r3jax.engine.Engine`) beside the slot engine it replaced
-(:class:`r3jax.engine.slot.SlotEngine`), in one process, on the tiny model.
+"""The paged engine (:class:`r3jax.engine.Engine`) on the tiny model: compilation, time to first token,
+a long-tailed mix, KV memory per live token, and one prompt's samples sharing its prefill.
 
     python -m experiments.bench_paged [--quick] [--compilation-cache DIR] [--no-progress]
 
-Both engines: ``max_seq_len`` 512, ``max_batch_size`` 8, prefix cache off (random prompts hit nothing,
-and cached pages would count as pages in use), greedy, routes captured, the same seeded request stream.
+The engine: ``max_seq_len`` 512, ``max_batch_size`` 8, prefix cache off (random prompts hit nothing,
+and cached pages would count as pages in use), greedy, routes captured, a seeded request stream. The
+fixed-slot engine it replaced was measured the same way; its figures are kept in
+experiments/results/bench_paged_slot.json and shown beside these in docs/measurements.md.
 
 1. **Compilation.** Programs compiled by ``warmup()`` and its cold seconds (this process has no
    persistent cache). With a compilation cache (``--compilation-cache DIR``; a fresh temporary one by
-   default outside ``--quick``), the paged engine's warm-up runs in a fresh subprocess twice: cold (empty
+   default outside ``--quick``), the engine's warm-up runs in a fresh subprocess twice: cold (empty
    cache), then restart (the same cache), each first timing the trace / lower / compile phases of every
    program (``cold_compile_s``: XLA compiling; ``restart_compile_s``: loading from the cache), and again
    with ``decode_buckets=1``. Goals: <= 12 programs, cold <= 30 s, restart <= 5 s.
@@ -18,12 +20,14 @@ and cached pages would count as pages in use), greedy, routes captured, the same
 3. **Long-tailed mix.** Most requests short, a few long prompts, a few long generations, submitted at
    once; mean short completion ÷ mean long completion, and the long requests' mean completion in the
    mix ÷ the same long requests alone.
-4. **KV memory per live token** over the mix: the paged engine's peak pages in use x page bytes ÷ the
-   peak live tokens (prompt + generated of admitted requests, sampled while it runs), against the slot
-   engine's reservation (max_batch_size x max_seq_len x bytes per token, KV + routes) ÷ the same tokens.
+4. **KV memory per live token** over the mix: peak pages in use x page bytes ÷ the peak live tokens
+   (prompt + generated of admitted requests, sampled while it runs), against a fixed-slot reservation
+   (max_batch_size x max_seq_len x bytes per token, KV + routes) ÷ the same tokens.
+5. **Samples of one prompt.** 8 samples (seeds 0..7, temperature 1) of one 512-token prompt
+   submitted together to an engine with its prefix cache on: prompt tokens fed ÷ the prompt (goal
+   <= 1.5), and whether every sample's prompt route rows equal the first one's.
 
-Greedy outputs of both engines are compared request by request (asserted on the first few), so both
-do the same work. Writes experiments/results/bench_paged.json.
+Writes experiments/results/bench_paged.json.
 """
 
 from __future__ import annotations
@@ -47,17 +51,16 @@ from experiments.common import table, write_json  # noqa: E402
 from models import MoeConfig, MoeTransformer  # noqa: E402
 from models.cache import cache_bytes_per_token  # noqa: E402
 from r3jax.engine import Engine, GenerateRequest  # noqa: E402
-from r3jax.engine.slot import SlotEngine  # noqa: E402
 from r3jax.routes import route_dtype  # noqa: E402
 
 MAX_SEQ, BATCH = 512, 8
 SHORT_P, SHORT_G, LONG_P, LONG_G = 8, 8, 400, 96
-CHECK_FIRST = 4  # greedy outputs asserted equal on this many requests of each workload
+SAMPLES, SAMPLE_P, SAMPLE_G = 8, 512, 16
+SLOT_RESULTS = "bench_paged_slot"  # the fixed-slot engine's figures (experiments/results/<name>.json)
 
 
-def build(kind: str, model, **paged):
-    common = dict(max_seq_len=MAX_SEQ, max_batch_size=BATCH, prefix_cache_bytes=0, seed=0)
-    return Engine(model, **common, **paged) if kind == "paged" else SlotEngine(model, **common)
+def build(model, **kw):
+    return Engine(model, **{**dict(max_seq_len=MAX_SEQ, max_batch_size=BATCH, prefix_cache_bytes=0, seed=0), **kw})
 
 
 def request(rng, prompt: int, gen: int, vocab: int) -> GenerateRequest:
@@ -84,9 +87,9 @@ def mix_stream(quick: bool, vocab: int) -> list[tuple[str, GenerateRequest]]:
 
 
 class TaggedTTFT(list):
-    """Stands in for an engine's ``_ttft`` list: each submit -> first token value the engine records is
-    also kept with the request it belongs to (read from the recording frame: ``seq`` in the paged loop,
-    ``take`` in the slot scheduler), so the short requests' values can be told from the long ones'."""
+    """Stands in for the engine's ``_ttft`` list: each submit -> first token value the engine records is
+    also kept with the request it belongs to (read from the recording frame's ``seq``), so the short
+    requests' values can be told from the long ones'."""
 
     def __init__(self, values=()):
         super().__init__(values)
@@ -97,13 +100,6 @@ class TaggedTTFT(list):
         if seq is not None:
             self.by_request[id(seq.job.request)] = value
         super().append(value)
-
-    def extend(self, values):
-        values = list(values)
-        take = sys._getframe(1).f_locals.get("take") or []
-        for job, v in zip(take, values):
-            self.by_request[id(job.request)] = v
-        super().extend(values)
 
 
 def live_tokens(engine) -> int:
@@ -159,17 +155,32 @@ def pct(vals, q) -> float | None:
     return float(np.percentile(vals, q)) if vals else None
 
 
-def compare(a: dict, b: dict, name: str) -> dict:
-    """Greedy outputs request by request; the first CHECK_FIRST must be equal."""
-    same = [ra["output_ids"] == rb["output_ids"] for ra, rb in zip(a["rows"], b["rows"])]
-    assert all(same[:CHECK_FIRST]), f"{name}: greedy outputs differ between engines in the first {CHECK_FIRST}: {same}"
-    return {"equal": int(sum(same)), "of": len(same)}
+def samples_run(model, vocab: int) -> dict:
+    """Section 5: one prompt's samples submitted together, on an engine with its prefix cache on."""
+    eng = build(model, max_seq_len=SAMPLE_P + 2 * SAMPLE_G, max_batch_size=SAMPLES, decode_buckets=1,
+                prefix_cache_bytes=64 << 20)
+    try:
+        prompt = np.random.default_rng(3).integers(0, vocab, SAMPLE_P).tolist()
+        reqs = [GenerateRequest(prompt, max_tokens=SAMPLE_G, temperature=1.0, seed=i, return_routed_experts=True)
+                for i in range(SAMPLES)]
+        before = eng.stats["prefill_tokens"]
+        t0 = time.perf_counter()
+        outs = eng.generate(reqs)
+        wall = time.perf_counter() - t0
+        fed = eng.stats["prefill_tokens"] - before
+    finally:
+        eng.close()
+    first = outs[0].routed_experts[:SAMPLE_P]
+    return {"samples": SAMPLES, "prompt_tokens": SAMPLE_P, "max_tokens": SAMPLE_G, "prefill_tokens_fed": fed,
+            "prefill_over_prompt": fed / SAMPLE_P, "cached_tokens": [o.cached_tokens for o in outs],
+            "prompt_route_rows_equal": all(np.array_equal(o.routed_experts[:SAMPLE_P], first) for o in outs),
+            "distinct_outputs": len({tuple(o.output_ids) for o in outs}), "wall_s": wall}
 
 
 def warmup_child(decode_buckets: int) -> None:
     """Subprocess mode: build the paged engine, warm it up, print the result as one JSON line."""
     t0 = time.perf_counter()
-    eng = build("paged", MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0)), decode_buckets=decode_buckets)
+    eng = build(MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0)), decode_buckets=decode_buckets)
     phases = program_phases(eng)
     w = eng.warmup()
     eng.close()
@@ -231,95 +242,89 @@ def main() -> None:
     model = MoeTransformer(cfg, rngs=nnx.Rngs(0))
     ttft_reqs, mix_reqs = ttft_stream(args.quick, cfg.vocab_size), mix_stream(args.quick, cfg.vocab_size)
     long_reqs = [(k, r) for k, r in mix_reqs if k != "short"]
-    results: dict[str, dict] = {}
-    with tqdm(total=10, desc="bench_paged", disable=args.no_progress) as bar:
-        for kind in ("paged", "slot"):
-            eng = build(kind, model)
-            try:
-                w = eng.warmup()
-                bar.update()
-                run_stream(eng, ttft_stream(True, cfg.vocab_size)[:3])  # untimed: first dispatches, threads
-                before = eng.stats["compiled_programs"]
-                r = {"warmup": w, "ttft": run_stream(eng, ttft_reqs, gap_s=0.01)}
-                bar.update()
-                r["mix"] = run_stream(eng, mix_reqs, sample=kind == "paged")
-                bar.update()
-                r["long_alone"] = run_stream(eng, long_reqs)
-                bar.update()
-                r["stats"] = {k: v for k, v in eng.stats.items()}
-                r["new_programs_after_warmup"] = eng.stats["compiled_programs"] - before
-                if kind == "paged":
-                    r["page_bytes"] = eng.page_bytes
-            finally:
-                eng.close()
-            results[kind] = r
+    with tqdm(total=7, desc="bench_paged", disable=args.no_progress) as bar:
+        eng = build(model)
+        try:
+            w = eng.warmup()
+            bar.update()
+            run_stream(eng, ttft_stream(True, cfg.vocab_size)[:3])  # untimed: first dispatches, threads
+            before = eng.stats["compiled_programs"]
+            r = {"warmup": w, "ttft": run_stream(eng, ttft_reqs, gap_s=0.01)}
+            bar.update()
+            r["mix"] = run_stream(eng, mix_reqs, sample=True)
+            bar.update()
+            r["long_alone"] = run_stream(eng, long_reqs)
+            bar.update()
+            r["stats"] = {k: v for k, v in eng.stats.items()}
+            r["new_programs_after_warmup"] = eng.stats["compiled_programs"] - before
+            r["page_bytes"] = eng.page_bytes
+        finally:
+            eng.close()
+        shared = samples_run(model, cfg.vocab_size)
+        bar.update()
         cache = args.compilation_cache or (None if args.quick else tempfile.mkdtemp(prefix="r3jax-bench-paged-cache-"))
         restart = restart_warmup(cache) if cache else None
         # the same with one decode bucket (Engine(decode_buckets=1): 3 programs, every step padded to B rows)
         restart_one = restart_warmup(cache, decode_buckets=1) if cache else None
         bar.update(2)
 
-    equal = {name: compare(results["paged"][name], results["slot"][name], name) for name in ("ttft", "mix", "long_alone")}
-
-    # KV + route bytes per token: the slot engine reserves max_batch_size x max_seq_len of them
+    # KV + route bytes per token: a fixed-slot engine reserves max_batch_size x max_seq_len of them
     route_row = cfg.num_moe_layers * cfg.top_k * route_dtype(cfg.num_experts).itemsize
     per_token = cache_bytes_per_token(cfg) + route_row
-    peak = results["paged"]["mix"]["peak"]
+    peak = r["mix"]["peak"]
     live = max(peak["live_tokens"], 1)
-    paged_per_tok = peak["pages_in_use"] * results["paged"]["page_bytes"] / live
+    paged_per_tok = peak["pages_in_use"] * r["page_bytes"] / live
     slot_per_tok = BATCH * MAX_SEQ * per_token / live
-    memory = {"bytes_per_token": per_token, "page_bytes": results["paged"]["page_bytes"], **peak,
+    memory = {"bytes_per_token": per_token, "page_bytes": r["page_bytes"], **peak,
               "paged_bytes_per_live_token": paged_per_tok, "slot_bytes_per_live_token": slot_per_tok,
               "paged_over_slot": paged_per_tok / slot_per_tok}
 
-    summary = {}
-    for kind, r in results.items():
-        short_ttft = [x["ttft_s"] for x in r["ttft"]["rows"] if x["kind"] == "short"]
-        mix = r["mix"]["rows"]
-        s = {"programs": r["warmup"]["programs"], "cold_warmup_s": r["warmup"]["seconds"],
-             "new_programs_after_warmup": r["new_programs_after_warmup"],
-             "short_ttft_p50_s": pct(short_ttft, 50), "short_ttft_p99_s": pct(short_ttft, 99),
-             "long_ttft_p50_s": pct([x["ttft_s"] for x in r["ttft"]["rows"] if x["kind"] == "long"], 50),
-             "short_completion_p50_s": pct([x["completion_s"] for x in r["ttft"]["rows"] if x["kind"] == "short"], 50),
-             "mix_wall_s": r["mix"]["wall_s"],
-             "mix_short_over_long": mean_of(mix, {"short"}) / mean_of(mix, {"long_prompt", "long_gen"}),
-             "mix_long_over_long_alone": mean_of(mix, {"long_prompt", "long_gen"})
-             / mean_of(r["long_alone"]["rows"], {"long_prompt", "long_gen"})}
-        summary[kind] = s
+    short_ttft = [x["ttft_s"] for x in r["ttft"]["rows"] if x["kind"] == "short"]
+    mix = r["mix"]["rows"]
+    summary = {"programs": r["warmup"]["programs"], "cold_warmup_s": r["warmup"]["seconds"],
+               "new_programs_after_warmup": r["new_programs_after_warmup"],
+               "short_ttft_p50_s": pct(short_ttft, 50), "short_ttft_p99_s": pct(short_ttft, 99),
+               "long_ttft_p50_s": pct([x["ttft_s"] for x in r["ttft"]["rows"] if x["kind"] == "long"], 50),
+               "short_completion_p50_s": pct([x["completion_s"] for x in r["ttft"]["rows"] if x["kind"] == "short"], 50),
+               "mix_wall_s": r["mix"]["wall_s"],
+               "mix_short_over_long": mean_of(mix, {"short"}) / mean_of(mix, {"long_prompt", "long_gen"}),
+               "mix_long_over_long_alone": mean_of(mix, {"long_prompt", "long_gen"})
+               / mean_of(r["long_alone"]["rows"], {"long_prompt", "long_gen"}),
+               "samples_prefill_over_prompt": shared["prefill_over_prompt"]}
     if restart:
         # cold: the phases' seconds (the warm-up after them finds every program in the cache)
-        cold_s = lambda r: sum(r["cold"]["phases"].values())
-        summary["paged"]["subprocess_cold_warmup_s"] = cold_s(restart)
-        summary["paged"]["restart_warmup_s"] = restart["restart"]["seconds"]
+        cold_s = lambda x: sum(x["cold"]["phases"].values())
+        summary["subprocess_cold_warmup_s"] = cold_s(restart)
+        summary["restart_warmup_s"] = restart["restart"]["seconds"]
         for when in ("cold", "restart"):  # where the seconds go (module docstring)
             for phase, sec in restart[when]["phases"].items():
-                summary["paged"][f"{when}_{phase}"] = sec
-        summary["paged"]["one_decode_bucket_programs"] = restart_one["cold"]["programs"]
-        summary["paged"]["one_decode_bucket_cold_warmup_s"] = cold_s(restart_one)
-        summary["paged"]["one_decode_bucket_restart_warmup_s"] = restart_one["restart"]["seconds"]
+                summary[f"{when}_{phase}"] = sec
+        summary["one_decode_bucket_programs"] = restart_one["cold"]["programs"]
+        summary["one_decode_bucket_cold_warmup_s"] = cold_s(restart_one)
+        summary["one_decode_bucket_restart_warmup_s"] = restart_one["restart"]["seconds"]
 
     print()
-    metrics = [k for k in summary["paged"]]
-    print(table([{"metric": m, "paged": summary["paged"].get(m), "slot": summary["slot"].get(m)} for m in metrics],
-                ["metric", "paged", "slot"]))
+    print(table([{"metric": k, "paged": v} for k, v in summary.items()], ["metric", "paged"]))
     print(f"\nKV+route memory per live token over the mix (peak {peak['live_tokens']} live tokens, "
-          f"{peak['pages_in_use']} pages in use of {results['paged']['stats']['pages_total']}): "
-          f"paged {paged_per_tok:.0f} B, slot {slot_per_tok:.0f} B, paged ÷ slot {memory['paged_over_slot']:.3f}")
+          f"{peak['pages_in_use']} pages in use of {r['stats']['pages_total']}): paged {paged_per_tok:.0f} B, "
+          f"fixed slots {slot_per_tok:.0f} B, paged ÷ slots {memory['paged_over_slot']:.3f}")
+    print(f"{SAMPLES} samples of one {SAMPLE_P}-token prompt: {shared['prefill_tokens_fed']} prompt tokens fed "
+          f"({shared['prefill_over_prompt']:.3f}x the prompt), prompt route rows equal: "
+          f"{shared['prompt_route_rows_equal']}, cached tokens {shared['cached_tokens']}")
     if restart:
-        print(f"paged warm-up in a fresh process: cold {sum(restart['cold']['phases'].values()):.1f} s "
+        print(f"warm-up in a fresh process: cold {sum(restart['cold']['phases'].values()):.1f} s "
               f"({restart['cold']['programs']} programs), restart on the cache {restart['restart']['seconds']:.1f} s; "
               f"decode_buckets=1: cold {sum(restart_one['cold']['phases'].values()):.1f} s ({restart_one['cold']['programs']} "
               f"programs), restart {restart_one['restart']['seconds']:.1f} s")
-    print(f"greedy outputs equal: {equal}")
-    for r in results.values():  # output ids are long and the per-request rows repeat the summary
-        for w in ("ttft", "mix", "long_alone"):
-            for x in r[w]["rows"]:
-                x.pop("output_ids")
+    for w in ("ttft", "mix", "long_alone"):  # output ids are long and the per-request rows repeat the summary
+        for x in r[w]["rows"]:
+            x.pop("output_ids")
     path = write_json("bench_paged", {"quick": args.quick, "max_seq_len": MAX_SEQ, "max_batch_size": BATCH,
-                                      "summary": summary, "memory": memory, "restart_warmup": restart,
-                                      "restart_warmup_one_decode_bucket": restart_one,
-                                      "greedy_equal": equal, "runs": results,
-                                      "goals": {"programs": 12, "cold_warmup_s": 30, "restart_warmup_s": 5}})
+                                      "summary": summary, "memory": memory, "samples": shared,
+                                      "restart_warmup": restart, "restart_warmup_one_decode_bucket": restart_one,
+                                      "run": r, "slot_results": SLOT_RESULTS,
+                                      "goals": {"programs": 12, "cold_warmup_s": 30, "restart_warmup_s": 5,
+                                                "samples_prefill_over_prompt": 1.5}})
     print(f"wrote {path}")
 
 

@@ -253,24 +253,33 @@ def bench_attention(d: dict) -> str:
 
 def bench_logits(d: dict) -> str:
     return (_t(d["train"], ["vocab", "tokens", "chunk", "logits_f32_mib", "full_temp_mib", "chunked_temp_mib",
-                            "chunked_over_full", "full_head_mib", "chunked_head_mib", "head_chunked_over_full"])
-            + "\n\nPrefill chunk limit (tokens per chunk) for a Qwen3-30B-A3B-shaped model, 8 rows:\n\n"
-            + _t(d["prefill"], ["vocab", "rows", "max_seq_len", "prefill_chunk", "old_cap", "new_cap"]))
+                            "chunked_over_full", "full_head_mib", "chunked_head_mib", "head_chunked_over_full"]))
 
 
 def bench_paged(d: dict) -> str:
     keys = ["programs", "cold_warmup_s", "new_programs_after_warmup", "short_ttft_p50_s", "short_ttft_p99_s",
-            "long_ttft_p50_s", "mix_wall_s", "mix_short_over_long", "mix_long_over_long_alone"]
-    paged, slot = d["summary"]["paged"], d["summary"]["slot"]
-    rows = [{"metric": k, "paged": paged.get(k), "slot": slot.get(k),
-             "paged_over_slot": paged[k] / slot[k] if paged.get(k) and slot.get(k) else None} for k in keys]
+            "long_ttft_p50_s", "mix_wall_s", "mix_short_over_long", "mix_long_over_long_alone",
+            "subprocess_cold_warmup_s", "restart_warmup_s"]
+    paged = d["summary"] if "paged" not in d["summary"] else d["summary"]["paged"]
+    old = load(d.get("slot_results", "bench_paged_slot")) or {}
+    slot = old.get("summary", {}).get("slot", {})
+    rows = [{"metric": k, "paged": paged.get(k), "fixed slots": slot.get(k),
+             "paged ÷ slots": paged[k] / slot[k] if paged.get(k) and slot.get(k) else None} for k in keys]
     m, r = d["memory"], d.get("restart_warmup") or {}
-    eq = d.get("greedy_equal", {})
-    out = _t(rows, ["metric", "paged", "slot", "paged_over_slot"])
+    out = _t(rows, ["metric", "paged", "fixed slots", "paged ÷ slots"])
+    if old:
+        out += (f"\n\nThe fixed-slot engine's column: `{old['command']}` on commit `{old['commit']}` "
+                f"(experiments/results/bench_paged_slot.json), the same streams.")
     out += (f"\n\nKV + route memory per live token at the mix's peak ({m['live_tokens']} live tokens): paged "
             f"{m['paged_bytes_per_live_token']:.0f} B ({m['pages_in_use']} pages of {m['page_bytes']} B in use) "
-            f"against {m['slot_bytes_per_live_token']:.0f} B reserved by the slot engine: "
+            f"against {m['slot_bytes_per_live_token']:.0f} B that fixed slots of max_seq_len reserve: "
             f"**{m['paged_over_slot']:.2f}×**.")
+    sm = d.get("samples")
+    if sm:
+        out += (f"\n\n{sm['samples']} samples of one {sm['prompt_tokens']}-token prompt submitted together: "
+                f"{sm['prefill_tokens_fed']} prompt tokens fed, **{sm['prefill_over_prompt']:.2f}×** the prompt "
+                f"(goal ≤ 1.5); every sample's prompt route rows equal the first one's: "
+                f"{'yes' if sm['prompt_route_rows_equal'] else 'no'}.")
     if r and "phases" in r.get("cold", {}):
         one = d.get("restart_warmup_one_decode_bucket") or {}
         c, w = r["cold"]["phases"], r["restart"]["phases"]
@@ -282,9 +291,6 @@ def bench_paged(d: dict) -> str:
             out += (f" With `Engine(decode_buckets=1)` ({one['cold']['programs']} programs, every step padded to "
                     f"{d['max_batch_size']} decode rows): cold {sum(one['cold']['phases'].values()):.1f} s, restart "
                     f"{one['restart']['seconds']:.1f} s.")
-    if eq:
-        out += " Greedy outputs equal between the engines: " + ", ".join(
-            f"{k} {v['equal']}/{v['of']}" for k, v in eq.items()) + "."
     return out
 
 
@@ -389,17 +395,14 @@ SECTIONS = [
             "rows and prompt chunks: on this CPU a step's cost grows with its tokens, which is what slows them "
             "(on an accelerator a decode step is bound by reading the weights, nearly whatever its rows).",
             bench_engine),
-    Section("bench_paged", "The paged engine beside the slot engine", "python -m experiments.bench_paged",
-            "Tiny model in process, max_seq_len 512, 8 requests at once, the same seeded request streams on both "
-            "engines: programs and seconds of `warmup()`; time to first token of short requests (8 + 8 tokens) "
-            "submitted while 400-token prompts prefill; a long-tailed mix (about 80% short, some long prompts and "
-            "long generations): mean short ÷ mean long completion (goal ≤ 0.5) and long requests in the mix ÷ "
-            "alone (goal ≤ 2). One `--quick` run on a loaded 2-core machine: read the ratios, not the seconds. "
-            "The paged engine meets the program, memory and mix-slowdown goals and finishes the mix sooner; short "
-            "÷ long completion lands just above its goal. Its cold warm-up is XLA:CPU compiling 9 programs "
-            "(the phases below: compile is most of it, 6–10 s a program here) and a restart is tracing and "
-            "lowering them again before each cache hit. With one decode bucket (3 programs) the restart meets its "
-            "goal and the cold warm-up sits at it.",
+    Section("bench_paged", "The paged engine (beside the fixed-slot engine it replaced)", "python -m experiments.bench_paged",
+            "Tiny model in process, max_seq_len 512, 8 requests at once, seeded request streams: programs and "
+            "seconds of `warmup()`; time to first token of short requests (8 + 8 tokens) submitted while 400-token "
+            "prompts prefill; a long-tailed mix (about 80% short, some long prompts and long generations): mean "
+            "short ÷ mean long completion (goal ≤ 0.5) and long requests in the mix ÷ alone (goal ≤ 2); a fresh "
+            "process's warm-up cold and on the persistent compilation cache (goals 30 s and 5 s); one prompt's "
+            "samples sharing its prefill. `--quick` runs on a loaded 2-core machine: read the ratios, not the "
+            "seconds.",
             bench_paged),
     Section("bench_step", "Where a decode step's time goes", "python -m experiments.bench_step",
             "The paged engine's own counters over one warm `generate` of B requests (per step, ms): host planning, "
@@ -459,8 +462,7 @@ SECTIONS = [
     Section("bench_logits", "Logits in chunks", "python -m experiments.bench_logits",
             "Temporaries of the compiled train step at a 151,936-token vocabulary with the full-vocabulary "
             "logits (`logits_chunk=0`) and in chunks of 512; `*_head_mib`: minus the same step at a 1,024-token "
-            "vocabulary (the LM head's and loss's own share). Then the engine's prefill chunk limit with the "
-            "head on every position (old) and on the last prompt token only (new).", bench_logits),
+            "vocabulary (the LM head's and loss's own share).", bench_logits),
     Section("bench_ep", "Expert parallelism", "python -m experiments.bench_ep",
             "Per-device flops and bytes of the compiled train step on 8 simulated devices ÷ the one-device "
             "program's (ideal 0.125); `shard_map` is the expert-parallel layer, `partitioner` the same step with "

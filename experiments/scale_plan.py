@@ -17,8 +17,9 @@ Workload: an RL batch of ``--rl-batch`` sequences x ``--seq-len`` tokens (defaul
   batch ``[B, S, L, K]`` placed as ``shard_batch`` places it. On TPU the cell tries the trainer's
   layouts (``aot_cells.train_layouts``: all chips on fsdp, then more data parallelism) and keeps the
   first that fits, listing every try in ``layouts_tried``.
-- decode: the engine's decode program (``decode_steps`` tokens per call) with ``--rl-batch`` slots,
-  every slot live, attention over the whole ``--seq-len`` cache; routes are its slot route buffer.
+- decode: the engine's decode program (its decode loop: ``decode_steps`` tokens per row per call) with
+  ``--rl-batch`` rows, every row live, attention over the whole ``--seq-len`` cache; routes are the
+  call's route rows.
 
 Each cell runs in its own process with a time limit (a 48-layer model can take long to compile on 2
 cores); results are written to experiments/results/scale_plan.json after every cell, and a rerun skips

@@ -160,7 +160,7 @@ class Engine:
         self._counters = dict(requests=0, steps=0, prefill_calls=0, prefill_tokens=0, cached_tokens=0,
                               padded_tokens=0, generated_tokens=0, decode_calls=0, decode_slot_steps=0,
                               max_live_slots=0, cancelled=0, aborted=0, failed=0, route_rows=0, wasted_tokens=0,
-                              host_wait_s=0.0, plan_s=0.0, dispatch_s=0.0, process_s=0.0, warmup_s=0.0)
+                              route_gather_s=0.0, host_wait_s=0.0, plan_s=0.0, dispatch_s=0.0, process_s=0.0, warmup_s=0.0)
         self._ttft: list[float] = []
         self._rng = np.random.default_rng(seed)
         self._k = self._v = self._last = None
@@ -189,7 +189,9 @@ class Engine:
         prefill_calls: prefill rows run; prefill_tokens: prompt tokens run through the model;
         cached_tokens: prompt tokens whose KV and routes came from cached pages; padded_tokens: token
         slots of steps left empty; wasted_tokens: tokens computed for requests that had already
-        stopped (the step planned before their stop token was read); host_wait_s: seconds the host
+        stopped (the step planned before their stop token was read); route_rows / route_gather_s: route
+        rows returned, and host seconds copying route rows out of step outputs into requests' buffers
+        and answers; host_wait_s: seconds the host
         blocked on step outputs; plan_s / dispatch_s / process_s: host seconds planning steps (index
         arrays), handing them to the device (inputs placed, program enqueued) and taking in their outputs; compiled_programs: fixed after :meth:`warmup` (``warmup()["new"]`` counts
         programs new to this process, loaded from the persistent compilation cache or compiled);
@@ -334,7 +336,7 @@ class Engine:
 
     def _init_state(self) -> None:
         """A zeroed pool and ``last`` tokens, on the placement (no program of ours: jnp.zeros on device)."""
-        kv = self.placement.kv(1, by_row=False)  # [n, P, ps, Hc, Dc]: heads along tensor, pages whole
+        kv = self.placement.kv()  # [n, P, ps, Hc, Dc]: heads along tensor, pages whole
         k, v = jax.eval_shape(lambda: PagedCache.init_pool(self.config, self.num_pages, self.block_size, bits=self._bits))
         zeros = lambda a: jax.device_put(np.zeros(a.shape, a.dtype), kv)
         self._k, self._v = tuple(map(zeros, k)), tuple(map(zeros, v))
@@ -363,7 +365,7 @@ class Engine:
                 with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
                     return inner(*args)
         rep = self.placement.replicated
-        kv = self.placement.kv(1, by_row=False)
+        kv = self.placement.kv()
         out = (tuple(kv for _ in self._k), tuple(kv for _ in self._v), rep, rep, rep, rep)
         return fn, {"donate_argnums": (2, 3, 4), "out_shardings": out}
 

@@ -275,17 +275,22 @@ class Loop:
         now = time.perf_counter()
         eng._counters["host_wait_s"] += now - t0
         ps = eng.pool.page_size
+        gather = 0.0
         for row in step.rows:
             seq = row.seq
+            t = time.perf_counter()
             if step.steps > 1:  # a decode loop: position lo + i fed in step i, which sampled tok[i]
+                # rows past a stop are left over from the loop: beyond any position read or registered
+                seq.routes[row.lo:row.hi] = routes[:row.hi - row.lo, row.at]
+                gather += time.perf_counter() - t
                 for i in range(row.hi - row.lo):
                     if seq.finished:  # stopped earlier in this call, or in a call before it
                         eng._counters["wasted_tokens"] += row.hi - row.lo - i
                         break
-                    seq.routes[row.lo + i] = routes[i, row.at]
                     self._take(seq, int(tok[i, row.row]), float(lp[i, row.row]), now)
                 continue
             seq.routes[row.lo:row.hi] = routes[row.at:row.at + row.hi - row.lo]  # even if seq is gone: pending pages
+            gather += time.perf_counter() - t
             for j, page, key in row.pending:
                 eng.pool.set_routes(page, key, seq.routes[j * ps:(j + 1) * ps])
             if seq.finished:
@@ -294,6 +299,7 @@ class Loop:
             if row.samples:
                 self._take(seq, int(tok[row.row]), float(lp[row.row]), now)
         del eng._ttft[:-4096]
+        eng._counters["route_gather_s"] += gather
         eng._counters["process_s"] += time.perf_counter() - now
 
     def _take(self, seq: Seq, token: int, logprob: float, now: float) -> None:
@@ -310,16 +316,18 @@ class Loop:
     def _finish(self, seq: Seq) -> None:
         eng, job = self.engine, seq.job
         req, p, g = job.request, seq.prompt_len, len(seq.tokens)
+        t0 = time.perf_counter()
         if job.cached:  # the prefix hit's rows (all on the host by now: their steps ran before ours)
             hit = seq.pages[:job.cached // eng.pool.page_size]
             seq.routes[:job.cached] = eng.pool.routes[hit].reshape(job.cached, *seq.routes.shape[1:])
-        fed = np.concatenate([job.prompt, np.asarray(seq.tokens[:-1], np.int32)])
-        eng.pool.register(seq.pages, fed, seq.routes)
         s = req.routed_experts_prompt_start
         routed = None
         if req.return_routed_experts:
             routed = np.ascontiguousarray(seq.routes[s:p + g - 1])
             eng._counters["route_rows"] += len(routed)
+        eng._counters["route_gather_s"] += time.perf_counter() - t0
+        fed = np.concatenate([job.prompt, np.asarray(seq.tokens[:-1], np.int32)])
+        eng.pool.register(seq.pages, fed, seq.routes)
         c = eng._counters
         c["requests"] += 1
         c["generated_tokens"] += g

@@ -1,4 +1,4 @@
-"""Where the engine's arrays live: parameters and slot state on a ``(data, tensor, expert)`` mesh.
+"""Where the engine's arrays live: parameters and the page pool on a ``(data, tensor, expert)`` mesh.
 
 The rules are the serving role of the one logical-axis table (:mod:`models.axes`, the trainer's
 :mod:`r3jax.train.partition` uses the same table on its ``(data, fsdp, expert)`` mesh):
@@ -7,16 +7,14 @@ The rules are the serving role of the one logical-axis table (:mod:`models.axes`
 - attention projections by whole heads along ``tensor`` (q/k/v output dim, o input dim); dense MLP
   hidden dim along ``tensor``; embedding and LM head by vocabulary along ``tensor``; norms and the
   router replicated;
-- slot state by slot along ``data`` and the KV cache's kv heads along ``tensor``; a cache without a
-  head axis (MLA's latent cache) puts its slots, and every per-slot array with them, along
-  ``data`` x ``tensor`` instead (DP attention): the cache declares that through its logical axes
-  (:func:`models.cache.cache_layout`), so the engine has no per-model case;
+- the page pool's kv heads along ``tensor`` (its pages whole: any step may read any page), as the
+  cache declares them through its logical axes (:func:`models.cache.cache_layout`), so the engine has
+  no per-model case;
 - the leading layer axis of stacked (scanned) layers and of the KV cache is never sharded.
 
 An axis the mesh lacks counts as size 1. A mesh axis that cannot split the dim it is meant for (2 kv
 heads on tensor = 8) raises :class:`models.axes.ReplicationError` naming the multiplier, unless the
-engine was built with ``allow_replication=True`` (then it warns once). A transient view of fewer rows
-than data shards (a decode of one live slot) stays whole on each device. Without a mesh everything
+engine was built with ``allow_replication=True`` (then it warns once). Without a mesh everything
 lives on one device.
 """
 
@@ -60,20 +58,16 @@ class Placement:
         self._sizes = {} if mesh is None else axes.mesh_sizes(mesh)
         self._units = axes.head_units(cfg)
         self._cache = cache_layout(cfg)
-        self._batch = self._cache.batch_axis  # the slots' logical axis: "batch", or "attn_batch" (DP attention)
+        self._batch = self._cache.batch_axis  # the rows' logical axis: "batch", or "attn_batch" (DP attention)
         self._warned: set[str] = set()  # replication accepted by allow_replication: warned once each
         self.device = jax.devices()[0] if mesh is None else None
 
     def size(self, axis: str) -> int:
         return int(self._sizes.get(axis, 1))
 
-    def _spec(self, what: str, logical, shape, *, views: bool = False, notes: list | None = None) -> tuple:
-        """Spec entries of one array (:func:`models.axes.resolve`). views: a transient array of some
-        rows, which may stay whole over ``data`` when its rows do not divide."""
+    def _spec(self, what: str, logical, shape, *, notes: list | None = None) -> tuple:
+        """Spec entries of one array (:func:`models.axes.resolve`)."""
         layout = axes.resolve(logical, shape, self._sizes, "serve", self._units)
-        if views:
-            unsplit = ((m, tuple(d for d in dims if logical[d] != self._batch)) for m, dims in layout.unsplit)
-            layout = layout._replace(unsplit=tuple((m, dims) for m, dims in unsplit if dims))
         mine = [] if notes is None else notes
         out = axes.check_layout(what, logical, shape, self._sizes, layout, units=self._units,
                                 allow_replication=self.allow_replication, notes=mine)
@@ -128,46 +122,14 @@ class Placement:
             shardings = self.param_shardings(tree)
         return place_copy(tree, shardings)
 
-    # ---- slot state ----------------------------------------------------------------------------
-    def kv(self, rows: int, *, by_row: bool) -> jax.sharding.Sharding:
-        """KV buffers [n, N, S, Hc, Dc] (n layers of a run), by their logical axes
-        (:func:`models.cache.cache_layout`): rows along the slots' axes (slot state only), kv heads
-        along tensor, the layer axis unsharded. k and v differ only in Dc, which is never split."""
-        logical = tuple(None if a == self._batch and not by_row else a for a in self._cache.axes)
-        shape = (1, rows, 1) + self._cache.k  # n, S never split
-        return self.sharding(*self._spec("KV cache", logical, shape, views=True))
-
-    def rows(self, rows: int) -> jax.sharding.Sharding:
-        """Any per-slot array [B, ...]: slots along the cache's slot axes (data, or data x tensor)."""
-        return self.sharding(*self._spec("slot rows", (self._batch,), (rows,), views=True))
-
-    def state(self, state):
-        """Shardings of a :class:`r3jax.engine.slot.slots.SlotState` (same tree). Its slots must divide
-        over the mesh axes they are split on (the resident state is not a view)."""
-        b = state.tokens.shape[0]
-        self._check_slots(b)
-        tree = jax.tree.map(lambda _: self.rows(b), state)
-        kv = self.kv(b, by_row=True)
-        return tree.replace(cache=jax.tree.map(lambda _: kv, state.cache))
-
-    def _check_slots(self, b: int) -> None:
-        """max_batch_size ``b`` must divide the devices the slots are split over (:class:`ReplicationError`
-        naming them and the axis that does not divide)."""
-        try:
-            self._spec("slot state (max_batch_size slots)", (self._batch,), (b,))
-        except axes.ReplicationError as err:
-            want = [m for m in axes.rules("serve")[self._batch] if self.size(m) > 1]
-            n = math.prod(self.size(m) for m in want)
-            over = " x ".join(f"{m}={self.size(m)}" for m in want)
-            raise axes.ReplicationError(
-                "max_batch_size", b, f"a multiple of {n}",
-                f"max_batch_size={b}: expected a multiple of {n}, the devices the slots are split over ({over}, "
-                f"logical axis {self._batch!r}): {err}") from None
-
-    def pool(self, pool):
-        """Shardings of a prefix-cache ``BlockPool``: KV blocks by kv heads, routes replicated."""
-        kv = self.kv(1, by_row=False)
-        return pool.replace(k=tuple(kv for _ in pool.k), v=tuple(kv for _ in pool.v), routes=self.replicated)
+    # ---- page pool -----------------------------------------------------------------------------
+    def kv(self) -> jax.sharding.Sharding:
+        """The page pool's KV buffers [n, P, ps, Hc, Dc] (n layers of a run), by their logical axes
+        (:func:`models.cache.cache_layout`): kv heads along ``tensor``; the layer axis and the pages
+        are never split (every step may read any page). k and v differ only in Dc, never split."""
+        logical = tuple(None if a == self._batch else a for a in self._cache.axes)
+        shape = (1, 1, 1) + self._cache.k  # n, P, ps never split
+        return self.sharding(*self._spec("KV cache", logical, shape))
 
     def describe(self) -> dict[str, Any]:
         if self.mesh is None:

@@ -11,8 +11,8 @@ Endpoints::
                         ``?abort_in_flight=true`` fails requests in flight (503, retryable) instead of
                         letting them finish on the old weights first
     GET  /v1/stats      request counters, requests per recent session_id, route transfer costs
-                        (``routes``: gather_s, encode_s, rows, bytes, responses; gather_s is 0 on the
-                        paged engine, which reads route rows with each step's tokens), the device mesh
+                        (``routes``: gather_s, encode_s, rows, bytes, responses; gather_s: the engine's
+                        seconds copying route rows out of its steps' outputs), the device mesh
                         (``mesh``: data, tensor, expert, devices) and the engine's stats
     GET  /openapi.json  the schema (no auth)
 
@@ -23,7 +23,8 @@ and ``/inference/v1/generate``, vLLM ``POST /v1/completions`` and ``GET /v1/mode
 **Binary routes.** A client that sends ``Accept: application/vnd.r3jax.generate+binary`` (the
 :data:`BINARY_MEDIA_TYPE`) to ``/v1/generate`` gets a body of
 ``u32 little-endian n | n bytes of the JSON response | the r3jax.routes.encode_binary frame``; the
-JSON has ``routed_experts: null`` and ``routed_experts_binary``: the frame's byte length. Route bytes
+JSON has ``routed_experts: null`` and ``routed_experts_binary``: the frame's byte length (with
+``n`` > 1 samples, each object of ``outputs`` has its own, and the frames follow in that order). Route bytes
 on the wire then equal the raw array plus a small header (no base64).
 
 **Errors.** Bad input is a 4xx with ``{"error": "invalid_request", "field": ..., "detail": ...}``:
@@ -191,21 +192,20 @@ def _jsonable(obj: Any) -> Any:
 
 
 def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               max_batch_size: int | None = None, max_wait_s: float | None = None, max_queue: int = 4096,
+               max_queue: int = 4096,
                load_weights: Callable[[str, str, Any], Any] | None = None, warmup: bool = True,
                served_model_name: str = "r3jax", tokenizer: Any = None,
                return_routed_experts_default: bool = False) -> FastAPI:
     """The ASGI app serving ``engine``.
 
     Requests go straight to the engine's continuous-batching scheduler (``engine.submit``).
-    max_queue: requests waiting for a slot beyond this many get 503 (the client retries with backoff).
+    max_queue: requests waiting for admission beyond this many get 503 (the client retries with backoff).
     warmup: on start, compile every engine program in the background (``engine.warmup()``); until it
     is done ``/health`` answers 503 ``{"status": "warming_up"}`` (generate requests queue meanwhile);
     if it fails, or the engine cannot continue (``engine.failure``), 503 ``{"status": "failed",
     "reason": ...}``.
     load_weights: ``(path, format, engine) -> params state`` for ``POST /v1/weights`` (default
     :func:`r3jax.serve.weights.load_state`); it runs in a worker thread while generation continues.
-    max_batch_size / max_wait_s: accepted for compatibility and ignored (the engine's slots batch).
     served_model_name, tokenizer, return_routed_experts_default: for the peers' endpoints
     (:func:`r3jax.serve.peer_app.add_peer_endpoints`: SkyRL, vLLM, SGLang forms on the same engine).
     """
@@ -276,7 +276,7 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
                 "batches": eng.get("decode_calls", 0), "max_batch": eng.get("max_live_slots", 0),
                 "sessions": dict(ctx.sessions), "warmup": warm, "protocols": dict(ctx.protocols),
                 "mesh": mesh_info(engine),
-                "routes": {"gather_s": float(eng.get("route_gather_s", 0.0)), **ctx.route_stats},
+                "routes": {"gather_s": float(eng["route_gather_s"]), **ctx.route_stats},
                 "engine": eng}
 
     @app.post("/v1/generate", responses={200: {"model": schema.GenerateResponse | schema.GenerateSamplesResponse},

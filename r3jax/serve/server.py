@@ -61,8 +61,6 @@ def parse_args(argv: list[str], devices=None) -> argparse.Namespace:
     ap.add_argument("--max-batch-size", type=int, default=32)
     ap.add_argument("--max-seq-len", type=int, default=256)
     ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    ap.add_argument("--batch-wait-ms", type=float, default=None,
-                    help="ignored (kept for old scripts): requests join decode slots as they arrive")
     ap.add_argument("--seed", type=int, default=0, help="init seed of a preset model")
     ap.add_argument("--prefix-cache-mb", type=float, default=64.0,
                     help="device memory for the engine's prefix cache (0 turns it off)")

@@ -58,7 +58,8 @@ def test_decode_cell_on_a_simulated_cpu_mesh(cpu_decode):
     assert c["num_pages"] == 1 + RL_BATCH * -(-SEQ // 16)
     kv = 2 * CFG.num_layers * c["num_pages"] * 16 * CFG.num_kv_heads * CFG.head_dim * 4
     assert c["kv_cache_bytes"] == kv // t
-    assert c["routes_bytes"] == RL_BATCH * L * K  # one decode token per slot: the step's route rows
+    # the decode loop's route rows: decode_steps tokens per slot per call (scale_plan's default 8)
+    assert c["decode_steps"] == 8 and c["routes_bytes"] == 8 * RL_BATCH * L * K
     assert c["bytes_accessed"] > 0
     # the layout chosen has the fewest resident bytes per chip of every layout the engine could use
     assert (d, t, e) in aot_cells.decode_layouts(CFG, 4, RL_BATCH)

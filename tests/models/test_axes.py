@@ -60,11 +60,11 @@ def test_two_kv_heads_on_tensor_8_raise_or_warn_with_the_multiplier_when_opted_i
     mesh = engine_mesh(data=1, tensor=8)
     with pytest.raises(ReplicationError, match=r"KV cache .*tensor=8 divides none of dim 3 \(kv_heads\) = 2 "
                                                r"\(2 heads\), so it would be replicated 8x") as err:
-        Placement(mesh, cfg).kv(8, by_row=True)
+        Placement(mesh, cfg).kv()
     assert err.value.field == "KV cache" and "allow_replication=True" in str(err.value)
     opted = Placement(mesh, cfg, allow_replication=True)
     with pytest.warns(UserWarning, match=r"allow_replication=True: KV cache .*replicated 8x"):
-        assert opted.kv(8, by_row=True).spec == jax.sharding.PartitionSpec(None, None, None, None, None)
+        assert opted.kv().spec == jax.sharding.PartitionSpec(None, None, None, None, None)
 
 
 def test_engine_refuses_a_mesh_that_would_replicate_its_kv_heads():
@@ -77,24 +77,6 @@ def test_engine_refuses_a_mesh_that_would_replicate_its_kv_heads():
     with pytest.raises(ReplicationError, match=r"attn/k_proj .*tensor=8 divides none of dim 2 \(kv_heads\) = 32 "
                                                r"\(2 heads\).*replicated 8x"):
         Engine(tiny_model, mesh=engine_mesh(data=1, tensor=8), max_seq_len=32, max_batch_size=8)
-
-
-def test_slot_state_must_divide_over_data_but_a_view_of_one_row_may_stay_whole():
-    import functools
-
-    from r3jax.engine.slot import slots
-    from r3jax.engine.sharding import Placement
-    from r3jax.engine.sharding import make_mesh as engine_mesh
-    from r3jax.routes import route_dtype
-
-    cfg = MoeConfig.tiny()
-    place = Placement(engine_mesh(data=2, devices=jax.devices()[:2]), cfg)
-    assert place.rows(1).spec == jax.sharding.PartitionSpec(None)  # a decode view of one live slot
-    assert place.kv(4, by_row=True).spec[1] == "data"
-    state = jax.eval_shape(functools.partial(slots.init_state, cfg, route_dtype(cfg.num_experts), slots=3,
-                                             seq_len=16, stop_width=4))
-    with pytest.raises(ReplicationError, match=r"slot state .*data=2 divides none of dim 0 \(batch\) = 3"):
-        place.state(state)
 
 
 def test_trainer_refuses_experts_no_axis_splits_unless_opted_in():
