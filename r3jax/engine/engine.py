@@ -159,7 +159,7 @@ class Engine:
         self.programs = Programs(key)
         self._counters = dict(requests=0, steps=0, prefill_calls=0, prefill_tokens=0, cached_tokens=0,
                               padded_tokens=0, generated_tokens=0, decode_calls=0, decode_slot_steps=0,
-                              max_live_slots=0, cancelled=0, aborted=0, failed=0, route_rows=0, wasted_tokens=0,
+                              max_live_slots=0, cancelled=0, aborted=0, failed=0, preempted=0, route_rows=0, wasted_tokens=0,
                               route_gather_s=0.0, host_wait_s=0.0, plan_s=0.0, dispatch_s=0.0, process_s=0.0, warmup_s=0.0)
         self._ttft: list[float] = []
         self._rng = np.random.default_rng(seed)
@@ -196,7 +196,8 @@ class Engine:
         arrays), handing them to the device (inputs placed, program enqueued) and taking in their outputs; compiled_programs: fixed after :meth:`warmup` (``warmup()["new"]`` counts
         programs new to this process, loaded from the persistent compilation cache or compiled);
         pages_in_use: pages some request references; pages_reserved: pages promised to admitted requests
-        and not taken yet (in use + reserved is what admission has committed); prefix_cache_blocks: indexed
+        (prompt pages at admission, decode pages a call at a time) and not taken yet; preempted: requests
+        whose pages were freed when the pool ran out, recomputed later (their answers unchanged); prefix_cache_blocks: indexed
         pages, any unreferenced one of which may be evicted (capacity: every page, 0 with caching off)."""
         ttft = np.asarray(self._ttft[-1024:]) if self._ttft else None
         pool = self.pool

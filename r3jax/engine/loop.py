@@ -7,9 +7,15 @@ Each turn:
    aborting every running request);
 2. drops cancelled requests (a running one frees its pages and slot at once: the device runs steps in
    order, so whatever a step still in flight writes for it is overwritten before anyone reads it);
-3. admits waiting requests in order while a slot is free and the pool can reserve their pages (prefix
-   hits first); otherwise they wait;
-4. plans and dispatches the next step (:mod:`r3jax.engine.planner`), then reads the outputs of the step
+3. admits waiting requests in order while a slot is free and the pool can reserve their prompt's pages
+   (prefix hits first) and still hold the next call of every running request; otherwise they wait;
+4. reserves the pages the next call's decode rows reach (pages on demand). When the pool cannot give
+   them, it first takes in the steps in flight (finished requests free theirs), then preempts the most
+   recently admitted request: its pages are freed and it goes back to the front of the queue, keeping
+   the tokens, logprobs and route rows it has; admitted again, it prefills its prompt and those tokens
+   and samples on from there (vLLM's recompute preemption). Its answer equals an uninterrupted run's;
+   no request that fits the pool alone is refused or lost for lack of pages;
+5. plans and dispatches the next step (:mod:`r3jax.engine.planner`), then reads the outputs of the step
    before it: so the device always has the next step queued while the host appends tokens, logprobs
    and route rows to each request and finishes the ones that stopped.
 
@@ -48,6 +54,7 @@ class Job:
     version: int = -1
     cached: int = 0
     row: Any = None  # host-side sampling parameters (Engine.prepare), built at admission
+    resume: Any = None  # (tokens, logprobs, routes) kept when it was preempted; None before
 
 
 @dataclasses.dataclass(eq=False)
@@ -152,10 +159,11 @@ class Loop:
     def _turn(self) -> None:
         op = self.controls[0] if self.controls else None
         if op is not None and op.abort:
-            self._fail_live(EngineAborted("aborted by a weight update (abort_in_flight=True); retry the request"),
-                            count="aborted")
+            err = EngineAborted("aborted by a weight update (abort_in_flight=True); retry the request")
+            self._fail_live(err, count="aborted")
+            self._fail_preempted(err)
             self.inflight.clear()  # their outputs belong to nobody now
-        if op is not None and (not op.drain or not (self.seqs or self.inflight)):
+        if op is not None and (not op.drain or not (self.seqs or self.inflight or self._preempted())):
             with self.cond:
                 self.controls.popleft()
             try:
@@ -164,8 +172,7 @@ class Loop:
                 op.future.set_exception(e)
             return
         self._drop_cancelled()
-        if op is None:
-            self._admit()
+        self._admit(resumed_only=op is not None)  # a drain finishes preempted requests on their weights
         dispatched = self._dispatch()
         if self.inflight and (len(self.inflight) > 1 or not dispatched):
             self._process(self.inflight.popleft())
@@ -179,37 +186,104 @@ class Loop:
             self._retire(seq)
             self.engine._counters["cancelled"] += 1
 
-    def _admit(self) -> None:
+    def _preempted(self) -> bool:
+        """Whether a preempted request waits to be admitted again (it is at the front of the queue)."""
+        with self.cond:
+            return bool(self.waiting) and self.waiting[0].resume is not None
+
+    def _fail_preempted(self, err: BaseException) -> None:
+        with self.cond:
+            jobs = [j for j in self.waiting if j.resume is not None]
+            self.waiting = collections.deque(j for j in self.waiting if j.resume is None)
+        for job in jobs:
+            self.engine._counters["aborted"] += 1
+            _settle(job.future, error=err)
+
+    def _admit(self, resumed_only: bool = False) -> None:
         eng, pool = self.engine, self.engine.pool
         if eng.static and self.seqs:
             return
         while self.free_slots:
             with self.cond:
-                if not self.waiting:
+                if not self.waiting or (resumed_only and self.waiting[0].resume is None):
                     return
                 job = self.waiting[0]
-            if job.future.cancelled() or not self._prepare(job):
+            if job.future.done() or not self._prepare(job):
                 with self.cond:
                     self.waiting.popleft()
                 continue
-            p, ps = len(job.prompt), pool.page_size
             if self._prefill_pending(job):
                 return  # its prompt's first page is being prefilled: admitted once that is dispatched, it shares it
-            hit = pool.match(job.prompt)
-            need = pool.pages_for(p + job.request.max_tokens - 1) - len(hit)
-            if not pool.reserve(need):
+            feed = job.prompt if job.resume is None or not job.resume[0] else \
+                np.concatenate([job.prompt, np.asarray(job.resume[0], np.int32)])
+            hit = pool.match(feed)
+            need = pool.pages_for(len(feed)) - len(hit)
+            # room for the next call of every running request too, so admitting this one preempts none
+            room = sum(self._call_pages(seq, eng.decode_steps) for seq in self.seqs)
+            if not pool.reserve(need + room):
                 pool.release(hit)
                 return  # waits for pages (in order: a long request is not overtaken forever)
+            pool.unreserve(room)
             with self.cond:
                 self.waiting.popleft()
-            cfg = eng.config
+            self.seqs.append(self._seq(job, feed, hit, need))
+
+    def _seq(self, job: Job, feed: np.ndarray, hit: list[int], need: int) -> Seq:
+        """The admitted request's host state; a preempted one keeps what it had received."""
+        eng, ps = self.engine, self.engine.pool.page_size
+        cfg, p = eng.config, len(job.prompt)
+        cached = len(hit) * ps
+        eng._counters["cached_tokens"] += cached
+        seq = Seq(job, self.free_slots.pop(), list(hit), need, cached, None, feed, hit=cached)
+        if job.resume is None:
+            job.version, job.cached = eng.weight_version, cached
             # the hit's route rows are copied at the end (_finish): a page indexed while its step ran
             # gets them when that step's outputs arrive, which is before any step of this request's
-            routes = np.zeros((p + job.request.max_tokens, cfg.num_moe_layers, cfg.top_k), eng.route_dtype)
-            cached = len(hit) * ps
-            job.version, job.cached = eng.weight_version, cached
-            self.seqs.append(Seq(job, self.free_slots.pop(), list(hit), need, cached, routes))
-            eng._counters["cached_tokens"] += cached
+            seq.routes = np.zeros((p + job.request.max_tokens, cfg.num_moe_layers, cfg.top_k), eng.route_dtype)
+            return seq
+        tokens, logprobs, routes = job.resume
+        job.resume = None
+        seq.routes, seq.tokens, seq.logprobs = routes, list(tokens), list(logprobs)
+        if tokens:  # rows below p + g - 1 arrived before the preemption: every row of the hit among them
+            seq.base, seq.final, seq.hit = len(tokens), p + len(tokens) - 1, 0
+        return seq
+
+    def _call_pages(self, seq: Seq, steps: int) -> int:
+        """Pages seq's next decode call of at most ``steps`` positions needs beyond those it holds."""
+        pos, n = seq.next_call(steps)
+        if n == 0:
+            return 0
+        return max(0, self.engine.pool.pages_for(pos + n) - len(seq.pages) - seq.reserved)
+
+    def _grow(self, decoding: list[Seq], steps: int) -> bool:
+        """Reserve the pages the next call's decode rows reach. When the pool cannot give them: take in
+        the steps in flight (requests that finished free theirs) or, with none in flight, preempt the
+        most recently admitted request; False then, and the next turn plans again."""
+        pool = self.engine.pool
+        needs = [self._call_pages(seq, steps) for seq in decoding]
+        if pool.reserve(sum(needs)):
+            for seq, n in zip(decoding, needs):
+                seq.reserved += n
+            return True
+        if self.inflight:
+            while self.inflight:
+                self._process(self.inflight.popleft())
+        else:
+            self._preempt(self.seqs[-1])
+        return False
+
+    def _preempt(self, seq: Seq) -> None:
+        """Free seq's pages and slot and put its request back at the front of the queue with its tokens,
+        logprobs and route rows (nothing is in flight: every row it was computed is on the host)."""
+        eng, job = self.engine, seq.job
+        if seq.hit:  # the hit's rows, as _finish copies them
+            hit = seq.pages[:seq.hit // eng.pool.page_size]
+            seq.routes[:seq.hit] = eng.pool.routes[hit].reshape(seq.hit, *seq.routes.shape[1:])
+        job.resume = (list(seq.tokens), list(seq.logprobs), seq.routes)
+        self._retire(seq)
+        eng._counters["preempted"] += 1
+        with self.cond:
+            self.waiting.appendleft(job)
 
     def _prefill_pending(self, job: Job) -> bool:
         """Whether an admitted request still prefilling starts with the same whole page as ``job``'s
@@ -219,7 +293,7 @@ class Loop:
         if not pool.prefix or len(job.prompt) <= pool.page_size:
             return False
         first = pool.keys(job.prompt, 1)[0]
-        return any(s.prefilling and s.prompt_len > pool.page_size and pool.keys(s.job.prompt, 1)[0] == first
+        return any(s.prefilling and len(s.feed) > pool.page_size and pool.keys(s.feed, 1)[0] == first
                    for s in self.seqs)
 
     def _prepare(self, job: Job) -> bool:
@@ -242,9 +316,11 @@ class Loop:
         chunks = choose_chunks(prefilling, eng.prefill_rows, eng.prefill_chunk)
         lay = eng.layout(len(decoding), len(chunks))
         steps = eng.steps_of(lay)
+        if not self._grow(decoding, steps):
+            return False
         x, rows = build(eng.pool, decoding, chunks, lay, slots=eng.max_batch_size, steps=steps)
         for row in rows[len(decoding):]:  # prompt pages this step completes: indexed now, rows when they arrive
-            row.pending = eng.pool.register(row.seq.pages, row.seq.job.prompt[:row.hi], None)
+            row.pending = eng.pool.register(row.seq.pages, row.seq.feed[:row.hi], None)
         extra = None
         if steps > 1:  # each row's budget and stop ids, for the loop's checks on device
             extra = np.zeros((lay.rows, 1 + eng.max_stop_tokens), np.int32)
@@ -289,7 +365,9 @@ class Loop:
                         break
                     self._take(seq, int(tok[i, row.row]), float(lp[i, row.row]), now)
                 continue
-            seq.routes[row.lo:row.hi] = routes[row.at:row.at + row.hi - row.lo]  # even if seq is gone: pending pages
+            lo = max(row.lo, seq.final)  # a preempted request's rows below final are the ones it received
+            if lo < row.hi:  # even if seq is gone: its pending pages need them
+                seq.routes[lo:row.hi] = routes[row.at + lo - row.lo:row.at + row.hi - row.lo]
             gather += time.perf_counter() - t
             for j, page, key in row.pending:
                 eng.pool.set_routes(page, key, seq.routes[j * ps:(j + 1) * ps])
@@ -317,9 +395,9 @@ class Loop:
         eng, job = self.engine, seq.job
         req, p, g = job.request, seq.prompt_len, len(seq.tokens)
         t0 = time.perf_counter()
-        if job.cached:  # the prefix hit's rows (all on the host by now: their steps ran before ours)
-            hit = seq.pages[:job.cached // eng.pool.page_size]
-            seq.routes[:job.cached] = eng.pool.routes[hit].reshape(job.cached, *seq.routes.shape[1:])
+        if seq.hit:  # the prefix hit's rows (all on the host by now: their steps ran before ours)
+            hit = seq.pages[:seq.hit // eng.pool.page_size]
+            seq.routes[:seq.hit] = eng.pool.routes[hit].reshape(seq.hit, *seq.routes.shape[1:])
         s = req.routed_experts_prompt_start
         routed = None
         if req.return_routed_experts:

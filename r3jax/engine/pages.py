@@ -2,9 +2,10 @@
 index over whole pages (their KV on device, their route rows here).
 
 - Page 0 is the trash page (padding writes there), never handed out.
-- Admission reserves the pages a request can ever need (prompt + max_tokens, less its prefix hit), so
-  a running request never runs out; pages are taken from the reservation as positions are reached.
-  A request that finishes early gives the rest back. Admission waits while the reservation does not fit.
+- Admission reserves a request's prompt pages (less its prefix hit); the scheduler reserves decode
+  pages a device call at a time, and pages are taken from the reservation as positions are reached.
+  A request that finishes gives the rest back. When a reservation does not fit, admission waits and a
+  running request is preempted (:mod:`r3jax.engine.loop`).
 - A prompt's whole pages enter the prefix index as soon as the step that writes them is dispatched
   (the device runs steps in order, so any later step reads their KV), their route rows once that
   step's outputs reach the host; a finished request's whole pages (output included) enter it then.

@@ -1,9 +1,12 @@
 """Host-side plan of each mixed step: which requests decode, which prompt chunks prefill, and the index
 arrays (:class:`r3jax.engine.step.StepInputs`) that say so.
 
-A request (:class:`Seq`) moves through: waiting -> admitted (pages reserved, prefix pages referenced)
--> prefilling (its prompt fed in chunks of ``prefill_len`` tokens, possibly several per step) -> decoding
-(one token per step) -> finished. The host knows every position it feeds in advance (a step adds one
+A request (:class:`Seq`) moves through: waiting -> admitted (its prompt's pages reserved, prefix pages
+referenced) -> prefilling (its prompt fed in chunks of ``prefill_len`` tokens, possibly several per step)
+-> decoding (one token per step, or a decode loop's budget per call; pages reserved call by call as its
+positions reach them) -> finished. A request preempted for pages (:meth:`r3jax.engine.loop.Loop._preempt`)
+is admitted again later with its prompt and the tokens it had sampled as its ``feed``, and goes on
+sampling where it stopped. The host knows every position it feeds in advance (a step adds one
 token to each decoding request), so it plans step n + 1 before it has read step n's tokens; a request
 that sampled a stop token in step n is then fed once more in step n + 1 and that extra token is dropped.
 
@@ -26,9 +29,15 @@ from r3jax.engine.pages import PagePool
 class Seq:
     """One admitted request's host state. ``job``: the scheduler's record (request, prompt, seed,
     future, ...); ``slot``: its row of the device's ``last`` tokens; ``pages``: its pages in position
-    order (prefix hits first); ``computed``: prompt tokens whose keys are written or in a dispatched step;
-    ``planned``: tokens generated once every dispatched step has run; ``tokens``/``logprobs``: the ones
-    received; ``routes`` [P + max_tokens, L, K]: route rows by position as they arrive."""
+    order (prefix hits first); ``reserved``: pages promised to it and not taken yet; ``computed``: tokens
+    of ``feed`` whose keys are written or in a dispatched step; ``planned``: tokens generated once every
+    dispatched step has run; ``tokens``/``logprobs``: the ones received; ``routes`` [P + max_tokens, L, K]:
+    route rows by position as they arrive.
+
+    ``feed``: what prefill feeds, the prompt; after a preemption the prompt and the ``base`` tokens
+    sampled before it (their logprobs and the route rows below ``final`` were received then and are
+    kept: the recomputation writes no row below ``final``). ``hit``: tokens of this admission's prefix
+    hit whose route rows are copied from the pool when the request finishes."""
 
     job: object
     slot: int
@@ -36,6 +45,10 @@ class Seq:
     reserved: int
     computed: int
     routes: np.ndarray
+    feed: np.ndarray
+    hit: int = 0
+    base: int = 0
+    final: int = 0
     planned: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -54,7 +67,12 @@ class Seq:
 
     @property
     def prefilling(self) -> bool:
-        return self.computed < self.prompt_len
+        return self.computed < len(self.feed)
+
+    def next_call(self, steps: int) -> tuple[int, int]:
+        """(first position, positions) its next decode call feeds, with at most ``steps`` per call."""
+        planned = max(self.planned, self.base + 1)  # a request still prefilling samples token base first
+        return self.prompt_len + planned - 1, max(0, min(steps, self.max_new - planned))
 
     @property
     def decodable(self) -> bool:
@@ -95,9 +113,9 @@ def choose_chunks(prefilling: list[Seq], rows: int, prefill_len: int) -> list[tu
 
     def one(seq):
         lo = todo[id(seq)]
-        if lo >= seq.prompt_len or len(out) >= rows:
+        if lo >= len(seq.feed) or len(out) >= rows:
             return False
-        hi = min(seq.prompt_len, lo + prefill_len)
+        hi = min(len(seq.feed), lo + prefill_len)
         out.append((seq, lo, hi))
         todo[id(seq)] = hi
         return True
@@ -151,7 +169,7 @@ def build(pool: PagePool, decoding: list[Seq], chunks: list[tuple[Seq, int, int]
         seq.planned += budget
     for c, (seq, lo, hi) in enumerate(chunks):
         i, t0 = d + c, d + c * layout.prefill_len
-        prompt = seq.job.prompt
+        prompt = seq.feed
         for j, pos in enumerate(range(lo, hi)):
             x["page"][t0 + j], x["offset"][t0 + j] = _page_at(pool, seq, pos)
         k = hi - lo
@@ -161,10 +179,10 @@ def build(pool: PagePool, decoding: list[Seq], chunks: list[tuple[Seq, int, int]
         x["table"][i, :len(seq.pages)] = seq.pages
         x["kv_len"][i] = hi
         seq.computed = hi
-        last = hi == seq.prompt_len
-        if last:
+        last = hi == len(prompt)
+        if last:  # samples token base (0, or the next one of a preempted request)
             x["sample_at"][i] = t0 + k - 1
-            sampling(i, seq, 0)
-            seq.planned = 1
+            sampling(i, seq, seq.base)
+            seq.planned = seq.base + 1
         rows.append(RowPlan(seq, i, t0, lo, hi, last))
     return x, rows

@@ -1,6 +1,6 @@
 """The paged pool under the conditions it exists for, against the full-sequence forward (tokens,
-logprobs within 1e-5 in fp32, route rows): prefix hits that end mid-page, eviction and admission
-waits when pages run out, cancellation of running and waiting requests; no page leaks after a burst;
+logprobs within 1e-5 in fp32, route rows): prefix hits that end mid-page, eviction, admission waits
+and preemption when pages run out, cancellation of running and waiting requests; no page leaks after a burst;
 and a short request submitted while a 4k-token prompt prefills gets its first token before that
 prefill completes."""
 
@@ -80,16 +80,36 @@ def test_eviction_admission_waits_and_cancellation_under_pressure_equal_the_full
     _no_leak(eng)
 
 
-def test_admission_waits_for_pages_with_a_slot_free_and_never_fails(tiny_model, make_engine, reference):
+def test_pages_on_demand_preempt_and_the_answers_equal_the_full_forward(tiny_model, make_engine, reference):
+    """Four requests whose max_tokens need 32 pages run at once in a 24-page pool: pages are taken as
+    tokens are written, the most recent request is preempted when they run out and recomputed later,
+    and every greedy answer equals the full forward (none refused, none lost)."""
     eng = make_engine(tiny_model, prefix_cache_bytes=0)
-    reqs = [_greedy(_tokens(60 + i, 4), 60) for i in range(4)]  # 64 tokens = 8 pages each; 24 pages
-    futures = [eng.submit(r) for r in reqs]
-    _until(lambda: eng.stats["live_slots"] == 3)
+    reqs = [_greedy(_tokens(60 + i, 4), 60, s=i) for i in range(4)]  # 64 tokens = 8 pages each
+    outs = eng.generate(reqs)
     s = eng.stats
-    assert (s["queued"], s["pages_in_use"] + s["pages_reserved"]) == (1, 24)  # a slot free, no page
-    outs = [f.result(timeout=120) for f in futures]
-    assert all(len(o.output_ids) == 60 for o in outs) and eng.stats["failed"] == 0
+    assert s["max_live_slots"] == 4  # admitted together: a prompt needs one page, not eight
+    assert s["preempted"] > 0 and s["failed"] == 0
+    assert all(len(o.output_ids) == 60 for o in outs)
     _check(reference, reqs, outs)
+    _no_leak(eng)
+
+
+def test_a_preempted_sampled_request_equals_its_run_alone(tiny_model, make_engine):
+    """Seeded sampling, prompts of 1 to 3 pages, prefix cache on (a preempted request finds its own
+    pages again): tokens, logprobs and route rows equal the same request run alone (which fits)."""
+    eng = make_engine(tiny_model)
+    reqs = [GenerateRequest(prompt_ids=_tokens(80 + i, p), max_tokens=43, temperature=1.0, seed=i,
+                            return_routed_experts=True, routed_experts_prompt_start=i)
+            for i, p in enumerate((4, 12, 9, 20))]
+    before = eng.stats["preempted"]
+    outs = eng.generate(reqs)
+    assert eng.stats["preempted"] > before
+    for req, out in zip(reqs, outs):
+        [alone] = eng.generate([req])
+        assert out.output_ids == alone.output_ids and out.finish_reason == alone.finish_reason
+        np.testing.assert_allclose(out.logprobs, alone.logprobs, atol=2e-5, rtol=0)
+        np.testing.assert_array_equal(out.routed_experts, alone.routed_experts)
     _no_leak(eng)
 
 
