@@ -47,6 +47,7 @@ import json
 import logging
 import struct
 import threading
+import time
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
@@ -195,7 +196,7 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
                max_queue: int = 4096,
                load_weights: Callable[[str, str, Any], Any] | None = None, warmup: bool = True,
                served_model_name: str = "r3jax", tokenizer: Any = None,
-               return_routed_experts_default: bool = False) -> FastAPI:
+               return_routed_experts_default: bool = False, started_at: float | None = None) -> FastAPI:
     """The ASGI app serving ``engine``.
 
     Requests go straight to the engine's continuous-batching scheduler (``engine.submit``).
@@ -208,7 +209,11 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
     :func:`r3jax.serve.weights.load_state`); it runs in a worker thread while generation continues.
     served_model_name, tokenizer, return_routed_experts_default: for the peers' endpoints
     (:func:`r3jax.serve.peer_app.add_peer_endpoints`: SkyRL, vLLM, SGLang forms on the same engine).
+    started_at: ``time.perf_counter()`` when the serving process started (default: now); ``/v1/stats``
+    ``warmup.ready_s`` counts from it to the end of warm-up (``/health`` 200), beside the warm-up's
+    programs, seconds, and programs ``loaded`` from the persistent compilation cache or ``compiled``.
     """
+    started_at = time.perf_counter() if started_at is None else started_at
     if load_weights is None:
         from r3jax.serve.weights import load_state as load_weights
     bridge = EngineBridge(engine, max_queue=max_queue)
@@ -224,9 +229,10 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
         try:
             result = engine.warmup() if warmup and hasattr(engine, "warmup") else None
             if result is not None:
-                warm.update(result)
-                print(f"r3jax serve: warm-up compiled {result['programs']} programs in {result['seconds']:.1f} s",
-                      flush=True)
+                warm.update(result, ready_s=time.perf_counter() - started_at)
+                print(f"r3jax serve: warm-up built {result['programs']} programs in {result['seconds']:.1f} s "
+                      f"({result.get('compiled', 0)} compiled, {result.get('loaded', 0)} from the compilation "
+                      f"cache); ready {warm['ready_s']:.1f} s after the process started", flush=True)
                 log.info("warm-up: %d device programs in %.1f s", result["programs"], result["seconds"])
         except Exception as e:  # reported: /health answers 503 failed with it, and the log has the traceback
             warm["error"] = f"warm-up failed: {type(e).__name__}: {e}"
@@ -276,7 +282,7 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
                 "batches": eng.get("decode_calls", 0), "max_batch": eng.get("max_live_slots", 0),
                 "sessions": dict(ctx.sessions), "warmup": warm, "protocols": dict(ctx.protocols),
                 "mesh": mesh_info(engine),
-                "routes": {"gather_s": float(eng["route_gather_s"]), **ctx.route_stats},
+                "routes": {"gather_s": float(eng.get("route_gather_s", 0.0)), **ctx.route_stats},
                 "engine": eng}
 
     @app.post("/v1/generate", responses={200: {"model": schema.GenerateResponse | schema.GenerateSamplesResponse},

@@ -41,6 +41,7 @@ import os
 import signal
 import socket
 import sys
+import time
 
 
 # r3jax.engine.Engine's defaults (not imported here: --help must not start JAX; a test checks they agree)
@@ -268,7 +269,18 @@ def _exit_cleanly(signum, frame):
     raise SystemExit(0)
 
 
+def process_age() -> float:
+    """Seconds since this process started (Linux ``/proc``; elsewhere 0: counted from here on)."""
+    try:
+        start_ticks = float(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def main(argv: list[str] | None = None) -> None:
+    started = time.perf_counter() - process_age()
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from r3jax.serve.app import create_app
@@ -292,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"python -m r3jax serve: {e}{hint}") from None
     app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                      served_model_name=args.served_model_name or args.model, tokenizer=tokenizer,
-                     return_routed_experts_default=args.enable_return_routed_experts)
+                     return_routed_experts_default=args.enable_return_routed_experts, started_at=started)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, restores these handlers and re-raises the
     # signal: exit 0 then, instead of dying by the signal after a clean shutdown.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -2,7 +2,12 @@
 max_tokens, stop tokens, sampling parameters, routes on/off, prefix hits, evictions, admission waits
 for pages, cancellations) compile nothing more."""
 
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -115,3 +120,33 @@ def test_close_frees_programs_no_other_live_engine_holds(tiny_model, make_engine
     assert shared_programs() == base
     with pytest.raises(Exception, match="closed"):
         b.step_program(prefill_rows=0)
+
+
+_TWICE = """
+import json
+from flax import nnx
+from models import MoeConfig, MoeTransformer
+from r3jax.engine import Engine
+model = MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0))
+out = []
+for _ in range(2):  # the second engine builds the same programs again (the first freed its own)
+    eng = Engine(model, max_seq_len=32, max_batch_size=2, decode_buckets=1, prefill_rows=1, prefix_cache_bytes=0,
+                 moe_impl="dense")
+    out.append(eng.warmup())
+    eng.close()
+print(json.dumps(out))
+"""
+
+
+def test_warmup_says_which_programs_the_persistent_cache_supplied(tmp_path):
+    """A fresh process on an empty compilation cache: the first warm-up compiles its 2 programs, a
+    second engine of that configuration loads both from the cache (``/v1/stats`` reports these)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": os.environ["R3JAX_TEST_XLA_FLAGS"],
+           "JAX_COMPILATION_CACHE_DIR": str(tmp_path), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    p = subprocess.run([sys.executable, "-c", _TWICE], env=env, cwd=Path(__file__).resolve().parents[3],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    first, again = json.loads(p.stdout.strip().splitlines()[-1])
+    assert (first["programs"], first["new"], first["compiled"], first["loaded"]) == (2, 2, 2, 0)
+    assert (again["programs"], again["new"], again["compiled"], again["loaded"]) == (2, 2, 0, 2)
