@@ -294,6 +294,13 @@ def bench_paged(d: dict) -> str:
     return out
 
 
+def serve_start(d: dict) -> str:
+    sm = d["summary"]
+    return (_t(d["rows"], ["repeat", "start", "wall_s", "ready_s", "warmup_s", "programs", "compiled", "loaded"])
+            + f"\n\nMedian cold start **{sm['cold_s']:.1f} s** (goal ≤ {d['goals']['cold_s']:.0f} s), restart "
+            f"**{sm['restart_s']:.1f} s** (goal ≤ {d['goals']['restart_s']:.0f} s), {sm['programs']} programs.")
+
+
 def bench_dtype(d: dict) -> str:
     cols = ["config", "dtype", "pool_dtype", "round_s", "steps", "step_ms", "tokens_per_s", "host_wait_ms",
             "bf16_over_fp32"]
@@ -381,6 +388,14 @@ SECTIONS = [
             "at B ≥ 32, and 0.77–1.17× Tunix; small_100m is 1.37× HF at B = 8 and below it from B = 32. "
             "[Where a decode step's time goes](#where-a-decode-steps-time-goes) breaks a step down (measured "
             "before the decode loop).", bench_decode),
+    Section("serve_start", "Server start, cold and on restart", "python -m experiments.serve_start",
+            "`python -m r3jax serve --model tiny --port 0 --compilation-cache DIR` launched as a user would, "
+            "timed from launch to the first `/health` 200 (`wall_s`; every program compiled or loaded): cold on "
+            "an empty cache directory, then restarted on the one it filled. `ready_s` is the server's own count "
+            "from its process start, `warmup_s` the warm-up alone; `compiled` / `loaded`: programs XLA compiled "
+            "and programs the caches supplied (`/v1/stats` `warmup`). A restart loads the engine's serialized "
+            "programs from `DIR/r3jax-programs` without tracing or lowering them; the rest of it is importing "
+            "JAX and the server and building the model.", serve_start),
     Section("bench_dtype", "The rollout engine in bf16 and fp32", "python -m experiments.bench_dtype",
             "One fp32 model, two engines of the same shape: `Engine(dtype=jnp.bfloat16)` (a bf16 rollout server) "
             "and fp32, on tiny and the peer config. On CPU the page pool keeps 16-bit floats as their uint16 "

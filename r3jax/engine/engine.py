@@ -82,6 +82,9 @@ class Engine:
       static: admit requests only when none is running (static batches, kept for comparisons).
       seed: seeds the draws of per-request seeds for requests with ``seed=None``.
       allow_replication: accept (with one warning) arrays a mesh axis cannot split.
+      program_cache: a directory for this engine's compiled programs (:mod:`r3jax.engine.program_cache`):
+        a later engine of the same model, configuration, code and JAX loads them from there without
+        tracing, lowering or compiling (``serve --compilation-cache DIR`` uses ``DIR/r3jax-programs``).
     """
 
     def __init__(self, model: MoeTransformer, *, max_seq_len: int, max_batch_size: int, num_pages: int | None = None,
@@ -89,7 +92,7 @@ class Engine:
                  prefill_rows: int | None = None, max_num_batched_tokens: int | None = None, decode_buckets: int = 3,
                  decode_steps: int = 8, dtype=None, moe_impl: str | None = None, router_noise: float | None = None,
                  max_stop_tokens: int = 64, mesh=None, static: bool = False,
-                 seed: int | None = None, allow_replication: bool = False):
+                 seed: int | None = None, allow_replication: bool = False, program_cache: str | None = None):
         for name, value, lo in [("max_seq_len", max_seq_len, 2), ("max_batch_size", max_batch_size, 1),
                                 ("prefix_cache_bytes", prefix_cache_bytes, 0), ("block_size", block_size, 1),
                                 ("prefill_chunk", prefill_chunk, 1), ("max_stop_tokens", max_stop_tokens, 1),
@@ -156,7 +159,12 @@ class Engine:
         self._bits = jax.default_backend() == "cpu"  # 16-bit float scatters run in f32 over the whole pool there
         key = (graphdef, cfg, self.route_dtype.name, max_batch_size, num_pages, block_size, self._pages_per_row,
                self._block_pages, self._bits, mesh)
-        self.programs = Programs(key)
+        disk = None
+        if program_cache is not None:  # serialized executables: a restart loads them without tracing
+            from r3jax.engine.program_cache import ProgramCache, fingerprint
+
+            disk = ProgramCache(program_cache, fingerprint(type(model), graphdef, key[1:]))
+        self.programs = Programs(key, disk)
         self._counters = dict(requests=0, steps=0, prefill_calls=0, prefill_tokens=0, cached_tokens=0,
                               padded_tokens=0, generated_tokens=0, decode_calls=0, decode_slot_steps=0,
                               max_live_slots=0, cancelled=0, aborted=0, failed=0, preempted=0, route_rows=0, wasted_tokens=0,
@@ -331,6 +339,8 @@ class Engine:
 
     def _warmup(self) -> dict:
         t0, before, built = time.perf_counter(), len(self.programs), self.programs.compiles
+        disk = self.programs._disk
+        from_disk = 0 if disk is None else disk.loaded
         hits = []
 
         def count(event: str, **_):  # JAX's persistent compilation cache reports each hit
@@ -347,7 +357,7 @@ class Engine:
         seconds = time.perf_counter() - t0
         self._counters["warmup_s"] += seconds
         built = self.programs.compiles - built
-        loaded = min(len(hits), built)
+        loaded = min(len(hits) + (0 if disk is None else disk.loaded - from_disk), built)
         return {"programs": len(self.programs), "new": len(self.programs) - before, "seconds": seconds,
                 "loaded": loaded, "compiled": built - loaded}
 

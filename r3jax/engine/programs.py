@@ -70,12 +70,13 @@ class Programs:
     ``args``. ``len(self)`` is the number of distinct programs this engine has needed; :meth:`release`
     (``Engine.close``) drops them, and the process-wide cache frees those no other engine holds."""
 
-    def __init__(self, engine_key: Hashable):
+    def __init__(self, engine_key: Hashable, disk=None):
         self._key = engine_key
+        self._disk = disk  # a ProgramCache (r3jax.engine.program_cache), or None
         self._exe: dict[tuple, Any] = {}
         self._needed: set[tuple] = set()  # kept after release: stats still count them
         self._released = False
-        self.compiles = 0  # programs this process compiled for this engine (0 when shared ones were reused)
+        self.compiles = 0  # programs this process built for this engine (0 when shared ones were reused)
 
     def __len__(self) -> int:
         return len(self._needed)
@@ -93,8 +94,13 @@ class Programs:
             with _SHARED_LOCK:
                 entry = _SHARED.get(shared)
                 if entry is None:
-                    fn, kw = build()
-                    entry = _SHARED[shared] = [jax.jit(fn, **kw).lower(*args).compile(), 0]
+                    exe = None if self._disk is None else self._disk.load(name, bucket_key, args)
+                    if exe is None:
+                        fn, kw = build()
+                        exe = jax.jit(fn, **kw).lower(*args).compile()
+                        if self._disk is not None:
+                            self._disk.save(name, bucket_key, args, exe)
+                    entry = _SHARED[shared] = [exe, 0]
                     self.compiles += 1
                 entry[1] += 1
                 exe = entry[0]

@@ -12,8 +12,10 @@
 :mod:`r3jax.serve.weights`). Binds to loopback unless ``--host`` says otherwise. ``--port 0`` picks a
 free port. Prints ``r3jax serve: listening on http://HOST:PORT`` once the socket is bound; then every
 device program is compiled (``/health`` answers 503 ``{"status": "warming_up"}`` until it is done, then
-200) and ``r3jax serve: warm-up compiled N programs in S s`` is logged. ``--compilation-cache DIR`` keeps
-compiled programs in JAX's persistent cache, so a restart warms up from disk. ``--static`` serves the
+200) and ``r3jax serve: warm-up built N programs in S s (C compiled, L from the compilation cache)`` is
+logged. ``--compilation-cache DIR`` keeps compiled programs in JAX's persistent cache and the engine's
+own serialized programs in ``DIR/r3jax-programs`` (:mod:`r3jax.engine.program_cache`), so a restart
+loads them without tracing, lowering or compiling. ``--static`` serves the
 old way (a batch is admitted only when every slot is free, and decodes to completion), for comparisons.
 
 **Devices.** The engine runs on one ``(data, tensor, expert)`` mesh (:mod:`r3jax.engine.sharding`:
@@ -182,8 +184,9 @@ def build_engine(args: argparse.Namespace):
                   prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)), block_size=args.block_size,
                   prefill_chunk=args.prefill_chunk, max_num_batched_tokens=args.max_num_batched_tokens,
                   num_pages=args.num_pages, decode_buckets=args.decode_buckets, decode_steps=args.decode_steps,
-                  mesh=build_mesh(args.mesh_shape),
-                  static=args.static)
+                  mesh=build_mesh(args.mesh_shape), static=args.static,
+                  program_cache=None if args.compilation_cache is None else os.path.join(args.compilation_cache,
+                                                                                           "r3jax-programs"))
 
 
 def build_mesh(shape: tuple[int, int, int], devices=None):

@@ -122,31 +122,51 @@ def test_close_frees_programs_no_other_live_engine_holds(tiny_model, make_engine
         b.step_program(prefill_rows=0)
 
 
-_TWICE = """
-import json
+_STARTS = """
+import json, sys
 from flax import nnx
 from models import MoeConfig, MoeTransformer
-from r3jax.engine import Engine
+from r3jax.engine import Engine, GenerateRequest
 model = MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0))
+req = GenerateRequest(prompt_ids=list(range(1, 12)), max_tokens=9, temperature=0.0, return_routed_experts=True)
 out = []
-for _ in range(2):  # the second engine builds the same programs again (the first freed its own)
+for program_cache in (sys.argv[1], sys.argv[1], None):  # each engine builds its programs again (the last freed them)
     eng = Engine(model, max_seq_len=32, max_batch_size=2, decode_buckets=1, prefill_rows=1, prefix_cache_bytes=0,
-                 moe_impl="dense")
-    out.append(eng.warmup())
+                 moe_impl="dense", program_cache=program_cache)
+    w = eng.warmup()
+    [o] = eng.generate([req])
+    out.append({**w, "tokens": o.output_ids, "routes": o.routed_experts.tolist()})
     eng.close()
 print(json.dumps(out))
 """
 
 
-def test_warmup_says_which_programs_the_persistent_cache_supplied(tmp_path):
-    """A fresh process on an empty compilation cache: the first warm-up compiles its 2 programs, a
-    second engine of that configuration loads both from the cache (``/v1/stats`` reports these)."""
+def test_warmup_says_which_programs_came_from_a_cache_and_loaded_ones_run_the_same(tmp_path):
+    """A fresh process on empty caches: the first engine compiles its 2 programs (and stores them), a
+    second one with the same program cache loads both without tracing, a third without it gets both
+    from JAX's persistent cache; all three decode the same tokens and route rows."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": os.environ["R3JAX_TEST_XLA_FLAGS"],
-           "JAX_COMPILATION_CACHE_DIR": str(tmp_path), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-    p = subprocess.run([sys.executable, "-c", _TWICE], env=env, cwd=Path(__file__).resolve().parents[3],
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-c", _STARTS, str(tmp_path / "programs")], env=env,
+                       cwd=Path(__file__).resolve().parents[3], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    first, again = json.loads(p.stdout.strip().splitlines()[-1])
-    assert (first["programs"], first["new"], first["compiled"], first["loaded"]) == (2, 2, 2, 0)
-    assert (again["programs"], again["new"], again["compiled"], again["loaded"]) == (2, 2, 0, 2)
+    first, again, jax_cache = json.loads(p.stdout.strip().splitlines()[-1])
+    assert [(w["programs"], w["new"], w["compiled"], w["loaded"]) for w in (first, again, jax_cache)] == \
+        [(2, 2, 2, 0), (2, 2, 0, 2), (2, 2, 0, 2)]
+    assert len(list((tmp_path / "programs").glob("*.bin"))) == 2
+    assert first["tokens"] == again["tokens"] == jax_cache["tokens"] and len(first["tokens"]) == 9
+    assert first["routes"] == again["routes"] == jax_cache["routes"]
+
+
+def test_a_program_cache_entry_that_cannot_be_read_is_compiled_over(tmp_path, caplog):
+    from r3jax.engine.program_cache import ProgramCache
+
+    cache = ProgramCache(tmp_path, "f" * 64)
+    args = (np.zeros(3, np.int32),)
+    path = cache._path("step", ("layout", 1), args)
+    path.write_bytes(b"not a program")
+    with caplog.at_level(logging.WARNING, logger="r3jax.engine"):
+        assert cache.load("step", ("layout", 1), args) is None
+    assert f"{path.name} not loaded" in caplog.text and cache.loaded == 0
+    assert cache.load("step", ("layout", 2), args) is None  # another key: nothing stored, nothing said
