@@ -15,7 +15,9 @@ Each turn:
    the tokens, logprobs and route rows it has; admitted again, it prefills its prompt and those tokens
    and samples on from there (vLLM's recompute preemption). Its answer equals an uninterrupted run's;
    no request that fits the pool alone is refused or lost for lack of pages;
-5. plans and dispatches the next step (:mod:`r3jax.engine.planner`), then reads the outputs of the step
+5. plans and dispatches the next step (:mod:`r3jax.engine.planner`): prompt chunks join the decode rows
+   in a mixed step (one token per decode row), except right after one, when the decode rows run a
+   decode loop of ``decode_steps`` tokens and the prompts wait that call; then reads the outputs of the step
    before it: so the device always has the next step queued while the host appends tokens, logprobs
    and route rows to each request and finishes the ones that stopped.
 
@@ -85,6 +87,7 @@ class Loop:
         self.closed = False
         self.failure: str | None = None
         self.warmed = False
+        self.mixed_last = False  # the last step dispatched had prefill rows
         self.thread = threading.Thread(target=self._loop, name="r3jax-engine", daemon=True)
         self.thread.start()
 
@@ -312,6 +315,10 @@ class Loop:
         prefilling = [s for s in self.seqs if s.prefilling]
         if not decoding and not prefilling:
             return False
+        if decoding and self.mixed_last and eng.decode_steps > 1:
+            # after a mixed step (one token per decode row) a decode loop: under a steady stream of
+            # prompts decoding still gets decode_steps tokens every other call, and a prompt waits one call
+            prefilling = []
         t0 = time.perf_counter()
         chunks = choose_chunks(prefilling, eng.prefill_rows, eng.prefill_chunk)
         lay = eng.layout(len(decoding), len(chunks))
@@ -319,6 +326,7 @@ class Loop:
         if not self._grow(decoding, steps):
             return False
         x, rows = build(eng.pool, decoding, chunks, lay, slots=eng.max_batch_size, steps=steps)
+        self.mixed_last = bool(chunks)
         for row in rows[len(decoding):]:  # prompt pages this step completes: indexed now, rows when they arrive
             row.pending = eng.pool.register(row.seq.pages, row.seq.feed[:row.hi], None)
         extra = None
