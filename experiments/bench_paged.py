@@ -27,6 +27,10 @@ experiments/results/bench_paged_slot.json and shown beside these in docs/measure
    submitted together to an engine with its prefix cache on: prompt tokens fed ÷ the prompt (goal
    <= 1.5), and whether every sample's prompt route rows equal the first one's.
 
+6. **A short request behind a long prompt.** A 3,500-token prompt (8 new tokens) submitted, then a short
+   request (8 + 8 tokens) right behind it, on an engine of max_seq_len 3,584: the short request's
+   completion ÷ the long one's (goal <= 0.5: it does not wait for the long prefill).
+
 Writes experiments/results/bench_paged.json.
 """
 
@@ -56,6 +60,7 @@ from r3jax.routes import route_dtype  # noqa: E402
 MAX_SEQ, BATCH = 512, 8
 SHORT_P, SHORT_G, LONG_P, LONG_G = 8, 8, 400, 96
 SAMPLES, SAMPLE_P, SAMPLE_G = 8, 512, 16
+BEHIND_P = 3500  # section 6's long prompt
 SLOT_RESULTS = "bench_paged_slot"  # the fixed-slot engine's figures (experiments/results/<name>.json)
 
 
@@ -177,6 +182,23 @@ def samples_run(model, vocab: int) -> dict:
             "distinct_outputs": len({tuple(o.output_ids) for o in outs}), "wall_s": wall}
 
 
+def behind_run(model, vocab: int) -> dict:
+    """Section 6: a short request submitted right behind a long prompt; completions from submit."""
+    eng = build(model, max_seq_len=BEHIND_P + 84, max_batch_size=2, decode_buckets=1)
+    try:
+        eng.warmup()
+        rng = np.random.default_rng(5)
+        warm = [request(rng, SHORT_P, SHORT_G, vocab) for _ in range(2)]
+        eng.generate(warm)  # untimed: first dispatches
+        long_req, short_req = request(rng, BEHIND_P, SHORT_G, vocab), request(rng, SHORT_P, SHORT_G, vocab)
+        r = run_stream(eng, [("long", long_req), ("short", short_req)])
+    finally:
+        eng.close()
+    long_s, short_s = (next(x["completion_s"] for x in r["rows"] if x["kind"] == k) for k in ("long", "short"))
+    return {"long_prompt": BEHIND_P, "short_prompt": SHORT_P, "new_tokens": SHORT_G, "long_completion_s": long_s,
+            "short_completion_s": short_s, "short_over_long": short_s / long_s}
+
+
 def warmup_child(decode_buckets: int) -> None:
     """Subprocess mode: build the paged engine, warm it up, print the result as one JSON line."""
     t0 = time.perf_counter()
@@ -261,6 +283,7 @@ def main() -> None:
         finally:
             eng.close()
         shared = samples_run(model, cfg.vocab_size)
+        behind = behind_run(model, cfg.vocab_size)
         bar.update()
         cache = args.compilation_cache or (None if args.quick else tempfile.mkdtemp(prefix="r3jax-bench-paged-cache-"))
         restart = restart_warmup(cache) if cache else None
@@ -290,7 +313,8 @@ def main() -> None:
                "mix_short_over_long": mean_of(mix, {"short"}) / mean_of(mix, {"long_prompt", "long_gen"}),
                "mix_long_over_long_alone": mean_of(mix, {"long_prompt", "long_gen"})
                / mean_of(r["long_alone"]["rows"], {"long_prompt", "long_gen"}),
-               "samples_prefill_over_prompt": shared["prefill_over_prompt"]}
+               "samples_prefill_over_prompt": shared["prefill_over_prompt"],
+               "short_behind_long_prompt": behind["short_over_long"]}
     if restart:
         # cold: the phases' seconds (the warm-up after them finds every program in the cache)
         cold_s = lambda x: sum(x["cold"]["phases"].values())
@@ -311,6 +335,8 @@ def main() -> None:
     print(f"{SAMPLES} samples of one {SAMPLE_P}-token prompt: {shared['prefill_tokens_fed']} prompt tokens fed "
           f"({shared['prefill_over_prompt']:.3f}x the prompt), prompt route rows equal: "
           f"{shared['prompt_route_rows_equal']}, cached tokens {shared['cached_tokens']}")
+    print(f"a short request right behind a {BEHIND_P}-token prompt: {behind['short_completion_s']:.3f} s against "
+          f"{behind['long_completion_s']:.3f} s, short ÷ long {behind['short_over_long']:.3f}")
     if restart:
         print(f"warm-up in a fresh process: cold {sum(restart['cold']['phases'].values()):.1f} s "
               f"({restart['cold']['programs']} programs), restart on the cache {restart['restart']['seconds']:.1f} s; "
@@ -320,11 +346,11 @@ def main() -> None:
         for x in r[w]["rows"]:
             x.pop("output_ids")
     path = write_json("bench_paged", {"quick": args.quick, "max_seq_len": MAX_SEQ, "max_batch_size": BATCH,
-                                      "summary": summary, "memory": memory, "samples": shared,
+                                      "summary": summary, "memory": memory, "samples": shared, "behind": behind,
                                       "restart_warmup": restart, "restart_warmup_one_decode_bucket": restart_one,
                                       "run": r, "slot_results": SLOT_RESULTS,
                                       "goals": {"programs": 12, "cold_warmup_s": 30, "restart_warmup_s": 5,
-                                                "samples_prefill_over_prompt": 1.5}})
+                                                "samples_prefill_over_prompt": 1.5, "short_behind_long_prompt": 0.5}})
     print(f"wrote {path}")
 
 

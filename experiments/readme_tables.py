@@ -280,6 +280,11 @@ def bench_paged(d: dict) -> str:
                 f"{sm['prefill_tokens_fed']} prompt tokens fed, **{sm['prefill_over_prompt']:.2f}×** the prompt "
                 f"(goal ≤ 1.5); every sample's prompt route rows equal the first one's: "
                 f"{'yes' if sm['prompt_route_rows_equal'] else 'no'}.")
+    b = d.get("behind")
+    if b:
+        out += (f"\n\nA short request ({b['short_prompt']} + {b['new_tokens']} tokens) submitted right behind a "
+                f"{b['long_prompt']:,}-token prompt finishes in {b['short_completion_s']:.3f} s, the long one in "
+                f"{b['long_completion_s']:.3f} s: **{b['short_over_long']:.2f}×** (goal ≤ 0.5).")
     if r and "phases" in r.get("cold", {}):
         one = d.get("restart_warmup_one_decode_bucket") or {}
         c, w = r["cold"]["phases"], r["restart"]["phases"]
