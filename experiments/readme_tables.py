@@ -410,10 +410,10 @@ SECTIONS = [
     Section("bench_engine", "Continuous batching", "python -m experiments.bench_engine",
             "Async multi-turn agents over HTTP on a long-tailed mix of turn lengths, the paged engine's continuous "
             "batching against its `--static` batch-to-completion mode (`python -m r3jax serve --model tiny`, 32 "
-            "requests at once); in-process latency and compilation counts. `ms_per_call`: wall ÷ decode steps. "
-            "Over HTTP the long sessions take as many steps in the mix as alone, but each step carries the mix's "
-            "rows and prompt chunks: on this CPU a step's cost grows with its tokens, which is what slows them "
-            "(on an accelerator a decode step is bound by reading the weights, nearly whatever its rows).",
+            "requests at once); in-process latency and compilation counts. `ms_per_call`: wall ÷ device calls "
+            "that decode (a call runs a decode loop of up to 8 steps, or one mixed step). Both agent goals are "
+            "missed in this run: the mixed agents (8 turns each, mostly 8 tokens a turn) finish after the long "
+            "sessions (3 turns of 96 tokens), and the long sessions take 2.8× as long in the mix as alone.",
             bench_engine),
     Section("bench_paged", "The paged engine (beside the fixed-slot engine it replaced)", "python -m experiments.bench_paged",
             "Tiny model in process, max_seq_len 512, 8 requests at once, seeded request streams: programs and "
