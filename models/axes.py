@@ -46,8 +46,8 @@ BATCH_AXES = ("data", "fsdp", "expert")
 #: logical axis -> (train mesh axes, serve mesh axes). A tuple of several axes splits the dim over
 #: their product (experts over expert x fsdp), or over the longest prefix of them that divides it.
 RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "batch": (BATCH_AXES, ("data",)),          # sequences [B, ...]; the engine's slots
-    # the slots of a cache without a head axis (MLA's latent): DP attention, every data-like serving axis
+    "batch": (BATCH_AXES, ("data",)),          # sequences [B, ...] (the engine's rows, once data splits them)
+    # the rows of a cache without a head axis (MLA's latent): DP attention, every data-like serving axis
     "attn_batch": (BATCH_AXES, ("data", "tensor")),
     "layers": ((), ()),                        # the leading axis of stacked layers (the scan slices it)
     "vocab": (("fsdp",), ("tensor",)),         # embedding rows, LM head columns

@@ -1,5 +1,6 @@
-"""Rollout engine: continuous batching over decode slots, jitted programs compiled ahead of time, and
-the routed experts of every token recorded.
+"""Rollout engine: continuous batching over a paged KV + route pool (mixed prefill + decode steps,
+decode loops on device, pages on demand), programs compiled ahead of time, and the routed experts of
+every token recorded.
 
     from r3jax.engine import Engine, GenerateRequest
     engine = Engine(model, max_seq_len=512, max_batch_size=8)
