@@ -29,7 +29,7 @@ from r3jax.checks import FieldError, check_int
 from r3jax.engine import step as dev
 from r3jax.engine.pages import PagePool
 from r3jax.engine.programs import Programs, bucket, pow2_at_least, round_up
-from r3jax.engine.request import GenerateOutput, GenerateRequest
+from r3jax.engine.request import GREEDY_BELOW, GenerateOutput, GenerateRequest
 from r3jax.engine.sampling import seed_words
 from r3jax.engine.sharding import Placement
 from r3jax.routes import route_dtype
@@ -415,8 +415,9 @@ class Engine:
         stop = np.asarray(req.stop_token_ids, np.int64).astype(np.int32)
         stop_ids = np.full(self.max_stop_tokens, -1, np.int32)  # the decode loop's on-device stop check
         stop_ids[:len(stop)] = stop
-        return dict(temperature=np.float32(req.temperature), top_k=np.int32(req.top_k), top_p=np.float32(req.top_p),
-                    key_data=seed_words(job.seed), processed=np.bool_(req.logprobs_mode == "processed_logprobs"),
+        greedy = req.temperature < GREEDY_BELOW  # 1e-30 would overflow the scaled logits to inf / NaN
+        return dict(temperature=np.float32(0.0 if greedy else req.temperature), top_k=np.int32(req.top_k),
+                    top_p=np.float32(req.top_p), key_data=seed_words(job.seed), processed=np.bool_(req.logprobs_mode == "processed_logprobs"),
                     stop=set(int(t) for t in stop), stop_ids=stop_ids)
 
     def reset_state(self) -> None:

@@ -19,11 +19,15 @@ from r3jax.checks import (DEFAULT_LOGPROBS_MODE, LOGPROBS_MODES, FieldError, che
 __all__ = ["DEFAULT_LOGPROBS_MODE", "LOGPROBS_MODES", "GenerateOutput", "GenerateRequest", "check_logprobs_mode"]
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (as vLLM's _SAMPLING_EPS)
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerateRequest:
     """One prompt to continue.
 
-    ``temperature=0`` is greedy; ``top_k=0`` and ``top_p=1`` switch those filters off. ``seed`` makes
+    ``temperature`` below :data:`GREEDY_BELOW` (1e-5, vLLM's rule; 0 included) is greedy: a smaller
+    one would overflow the scaled logits; ``top_k=0`` and ``top_p=1`` switch those filters off. ``seed`` makes
     sampling reproducible per request (same seed, same output, whatever the batch). A sampled stop
     token is included in ``output_ids`` and ends the request with finish_reason "stop".
     ``routed_experts_prompt_start`` = s: the route rows returned are those of absolute positions
@@ -37,7 +41,7 @@ class GenerateRequest:
     - ``"processed_logprobs"``: log_softmax of the logits after temperature scaling and top-k/top-p
       masking, i.e. the renormalised distribution the token was actually sampled from (the sampled
       token is always inside the kept set, so its logprob is finite). Greedy rows
-      (``temperature=0``) are untempered and unfiltered, as in vLLM, so there processed equals raw.
+      (``temperature`` < 1e-5) are untempered and unfiltered, as in vLLM, so there processed equals raw.
 
     A trainer taking importance ratios against processed logprobs must process its logits the same
     way (``r3jax.train.LossConfig(temperature=T, top_k=k, top_p=p)`` with the request's values).

@@ -69,7 +69,7 @@ log = logging.getLogger("r3jax.serve")
 
 
 def _json(obj: Any, status: int = 200, headers: dict | None = None) -> Response:
-    # allow_nan: a -inf logprob must not turn a good answer into a 500 (Python's json reads it back)
+    # logprobs leave clamped (schema.output_json); allow_nan stays a backstop: never a 500 over a float
     body = json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
     return Response(body, status, headers=headers, media_type="application/json")
 

@@ -59,7 +59,7 @@ class SamplingParams(_Strict):
     """Sampling controls; the defaults are :class:`r3jax.engine.GenerateRequest`'s."""
 
     max_tokens: int = Field(16, description="new tokens to sample, >= 1; P + max_tokens <= max_seq_len")
-    temperature: float = Field(1.0, allow_inf_nan=False, description=">= 0; 0 is greedy")
+    temperature: float = Field(1.0, allow_inf_nan=False, description=">= 0; below 1e-5 (0 included) is greedy")
     top_p: float = Field(1.0, allow_inf_nan=False, description="in (0, 1]")
     top_k: int = Field(0, description="0 (off) or in [1, vocab_size]")
     seed: int | None = Field(None, description=f"in [0, {MAX_SEED}]; same seed, same output")
@@ -303,11 +303,14 @@ def output_json(out, layers: list[int], *, binary_routes: bool = False) -> tuple
     Binary mode: ``routed_experts`` is None and ``routed_experts_binary`` holds the byte length of
     the :func:`r3jax.routes.encode_binary` frame returned second (0 when no routes were asked for).
     """
+    from r3jax.serve.peers.common import clamp_logprob  # deferred: schema stays importable without JAX
+
     routes = out.routed_experts
     # No default: a start that is not the request's s would misplace every row by the difference.
     start = None if routes is None else out.routed_experts_start
     obj = {"output_ids": [int(t) for t in out.output_ids],
-           "logprobs": None if out.logprobs is None else [float(x) for x in out.logprobs],
+           # a non-finite logprob goes out as vLLM's floor, -9999.0: no NaN or infinity leaves the server
+           "logprobs": None if out.logprobs is None else [clamp_logprob(x) for x in out.logprobs],
            "finish_reason": out.finish_reason, "routed_experts": None,
            "prompt_tokens": int(out.prompt_tokens), "cached_tokens": int(out.cached_tokens),
            "weight_version": int(out.weight_version)}

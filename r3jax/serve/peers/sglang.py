@@ -140,7 +140,7 @@ def render_generate(out: GenerateOutput, request: GenerateRequest, *, num_expert
                             "weight_version": str(out.weight_version), "num_retractions": 0,
                             "reasoning_tokens": 0, "completion_tokens": g, "cached_tokens": int(out.cached_tokens)}
     if out.logprobs is not None:
-        meta["output_token_logprobs"] = [[float(lp), t, None] for lp, t in zip(out.logprobs, ids)]
+        meta["output_token_logprobs"] = [[common.clamp_logprob(lp), t, None] for lp, t in zip(out.logprobs, ids)]
         meta["output_token_logprobs_length"] = g
     if request.return_routed_experts and out.routed_experts is not None:
         meta["routed_experts"] = encode_routes(out.routed_experts, num_experts)

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from models import MoeConfig, MoeTransformer
-from r3jax.engine import Engine, GenerateRequest
+from r3jax.engine import Engine, GenerateOutput, GenerateRequest
 from r3jax.rollout import ByteTokenizer
 from r3jax.routes import decode_binary
 from r3jax.serve import RemoteInferenceClient, RemoteInputError, create_app
@@ -184,6 +184,57 @@ def test_r3jax_n_samples_share_one_prefill(served, binary):
         assert start == 3
         np.testing.assert_array_equal(routes, alone.routed_experts)
     assert len({tuple(o["output_ids"]) for o in objs}) > 1
+
+
+TINY_T = 1e-30  # scaled logits would overflow: greedy below 1e-5, as vLLM
+FORMS = [  # (path, body with a 41-token prompt P, the output ids and logprobs of the answer)
+    ("/v1/generate", lambda p: {"prompt_ids": p, "sampling_params": {"max_tokens": 5, "temperature": TINY_T,
+                                                                    "logprobs_mode": "processed_logprobs"}},
+     lambda o: (o["output_ids"], o["logprobs"])),
+    ("/skyrl/v1/generate", lambda p: {"token_ids": p, "sampling_params": {"max_tokens": 5, "temperature": TINY_T,
+                                                                          "logprobs": 0}},
+     lambda o: (o["choices"][0]["token_ids"], [c["logprob"] for c in o["choices"][0]["logprobs"]["content"]])),
+    ("/v1/completions", lambda p: {"prompt": p, "max_tokens": 5, "temperature": TINY_T, "logprobs": 0,
+                                   "return_token_ids": True},
+     lambda o: (o["choices"][0]["token_ids"], o["choices"][0]["logprobs"]["token_logprobs"])),
+    ("/generate", lambda p: {"input_ids": p, "return_logprob": True,
+                             "sampling_params": {"max_new_tokens": 5, "temperature": TINY_T}},
+     lambda o: (o["output_ids"], [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]])),
+]
+
+
+@pytest.mark.parametrize("path,body,read", FORMS, ids=[f[0] for f in FORMS])
+def test_a_tiny_temperature_is_greedy_and_no_nan_or_infinity_leaves(served, path, body, read):
+    engine, url = served
+    prompt = np.random.default_rng(14).integers(0, 256, 41).tolist()
+    r = httpx.post(url + path, json=body(prompt), timeout=120)
+    assert r.status_code == 200, r.text
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} in the answer of {path}")
+
+    ids, logprobs = read(json.loads(r.text, parse_constant=refuse))
+    [greedy] = engine.generate([GenerateRequest(prompt, max_tokens=5, temperature=0.0)])
+    assert ids == greedy.output_ids
+    np.testing.assert_allclose(logprobs, greedy.logprobs, atol=2e-5)
+    assert all(np.isfinite(logprobs))
+
+
+def test_non_finite_logprobs_go_out_as_the_floor_in_every_form():
+    """Whatever the engine hands over, every wire form sends -9999.0 (vLLM's floor) for a non-finite
+    logprob, never NaN or Infinity."""
+    from r3jax.serve.peers import sglang, skyrl, vllm
+    from r3jax.serve.schema import output_json
+
+    out = GenerateOutput([5, 6, 7], [float("-inf"), float("nan"), -0.5], "length", None, 3, 0, 0, 0)
+    req = GenerateRequest([1, 2, 3], max_tokens=3)
+    bodies = [output_json(out, [1, 2])[0], skyrl.render_generate(out, req, num_experts=8),
+              vllm.render_completion(out, req, model="m", request_id="r", created=0, num_experts=8, text=""),
+              sglang.render_generate(out, req, num_experts=8, rid="r", text="")]
+    for body in bodies:
+        text = json.dumps(body, allow_nan=True)
+        assert "NaN" not in text and "Infinity" not in text, text
+        assert "-9999.0" in text
 
 
 BAD = [  # (path, body, status, the field the peer's error names)
