@@ -55,6 +55,10 @@ def parse_args(argv):
     ap.add_argument("--save-every", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/demo")
+    ap.add_argument("--tensorboard", default=None, metavar="DIR",
+                    help="also write each run's metrics as TensorBoard event files under DIR/<replay>-seed<n>")
+    ap.add_argument("--wandb", default=None, metavar="PROJECT",
+                    help="also log each run to Weights & Biases PROJECT (needs the wandb package)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     for name in ("steps", "seeds", "prompts", "samples", "max_turns", "max_tokens", "save_every", "warmup_batch"):

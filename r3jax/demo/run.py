@@ -12,7 +12,6 @@ checkpoint write raises (CheckpointWriteError) at the next step.
 from __future__ import annotations
 
 import functools
-import json
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from models import MoeConfig, MoeTransformer
 from models.hf import load_pretrained
 from r3jax.batch import collate
 from r3jax import run_log
+from r3jax.writers import MetricWriters
 from r3jax.demo.rollouts import Rollouts, make_loop
 from r3jax.sharding import batch_multiple, shard_batch
 from r3jax.train import (Checkpointer, LossConfig, export_params, group_advantages, init_train_state,
@@ -131,14 +131,16 @@ def run(args, mode: str, warm_model, mesh, rollouts: Rollouts, out: Path) -> lis
     records = []
     with ckpt:
         state, start = _start(args, mode, ckpt, state, out)
-        with open(out / "metrics.jsonl", "a") as log:
+        tb, wandb = getattr(args, "tensorboard", None), getattr(args, "wandb", None)
+        name = f"{mode}-seed{args.seed}"  # one TensorBoard / W&B run per replay mode and seed
+        with MetricWriters(out / "metrics.jsonl", tensorboard=None if tb is None else Path(tb) / name, wandb=wandb,
+                           run_name=name, config={k: getattr(args, k) for k in HPARAMS}) as log:
             rollouts.sync(state)
             bar = tqdm(range(start, args.steps), desc=f"replay={mode} seed={args.seed}", disable=args.no_progress,
                        initial=start, total=args.steps)
             for step in bar:
                 rec, state = _step(args, mode, step, state, mesh, rollouts, ckpt)
-                log.write(json.dumps(rec) + "\n")
-                log.flush()
+                log.write(rec)
                 records.append(rec)
                 bar.set_postfix(reward=f"{rec['reward']:.3f}", k3=f"{rec['k3_kl']:.1e}",
                                 dis=f"{rec['live_routing_disagreement']:.3f}", bytes=rec["route_bytes"])

@@ -20,7 +20,6 @@ without these flags ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,8 @@ def parse_args(argv):
     ap.add_argument("--keep", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compilation-cache", default=None, metavar="DIR")
+    ap.add_argument("--tensorboard", default=None, metavar="DIR", help="also write metrics as TensorBoard event files")
+    ap.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to Weights & Biases (needs wandb)")
     ap.add_argument("--num-processes", default=None, help="processes in the job, or 'auto'")
     ap.add_argument("--process-id", type=int, default=None)
     ap.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's address")
@@ -117,17 +118,21 @@ def write_example_data(args) -> Path:
     return write_rows(args.write_example_data, batch)
 
 
-def _metrics_log(path: Path, start: int, primary: bool):
-    """Process 0's log. Resuming keeps the lines of the steps the restored state contains (later
-    ones are re-run); a fresh start keeps an earlier log aside as ``metrics.jsonl.<n>``."""
+def _metrics_log(path: Path, start: int, primary: bool, args):
+    """Process 0's writers (:class:`r3jax.writers.MetricWriters`: metrics.jsonl, and TensorBoard /
+    W&B when asked). Resuming keeps the lines of the steps the restored state contains (later ones
+    are re-run); a fresh start keeps an earlier log aside as ``metrics.jsonl.<n>``."""
     from r3jax import run_log
+    from r3jax.writers import MetricWriters
 
     if not primary:
         return None
     if start == 0:
         run_log.keep_aside(path)
     run_log.keep_until(path, start)
-    return open(path, "a")
+    config = {k: getattr(args, k) for k in ("config", "replay", "lr", "batch_size", "steps", "seed")}
+    return MetricWriters(path, tensorboard=args.tensorboard, wandb=args.wandb, run_name=path.parent.name,
+                         config=config)
 
 
 def train(args) -> dict:
@@ -161,7 +166,7 @@ def train(args) -> dict:
             print(f"r3jax train: {jax.process_count()} process(es), {jax.device_count()} {jax.default_backend()} "
                   f"devices, mesh {dict(mesh.shape)}, {b} rows/step ({mine.stop - mine.start} from each process), "
                   + (f"resuming at step {start}" if restored else "fresh start"), flush=True)
-        log = _metrics_log(out / "metrics.jsonl", start, primary)
+        log = _metrics_log(out / "metrics.jsonl", start, primary, args)
         try:
             for step in range(start, args.steps):
                 first = (step % (total // b)) * b
@@ -174,8 +179,7 @@ def train(args) -> dict:
                         **{k: np.asarray(v).tolist() for k, v in m.items()}}
                 ckpt.save(state, data_cursor={"step": step + 1})  # raises if this or an earlier save failed
                 if log is not None:
-                    log.write(json.dumps(last) + "\n")
-                    log.flush()
+                    log.write(last)
                     print(f"step {step + 1}: loss {last['loss']:.6f} k3 {last['k3_kl']:.2e} "
                           f"{last['step_s']:.2f} s", flush=True)
             if args.steps > start and not ckpt.should_save(args.steps):

@@ -7,6 +7,7 @@ import shutil
 import time
 
 import numpy as np
+import pytest
 
 from r3jax.demo import main
 from r3jax.demo.report import COLUMNS, summarize, table
@@ -23,11 +24,19 @@ def _records(path):
 def test_in_process_run_writes_outputs_and_resumes(tmp_path, capsys):
     out = tmp_path / "demo"
     t0 = time.perf_counter()
-    main(SMALL + ["--in-process", "--replay", "rollout", "--out", str(out)])
+    main(SMALL + ["--in-process", "--replay", "rollout", "--out", str(out), "--tensorboard", str(tmp_path / "tb")])
     wall = time.perf_counter() - t0
     printed = capsys.readouterr().out.strip().splitlines()
     recs = _records(out / "rollout" / "seed0" / "metrics.jsonl")
     assert [r["step"] for r in recs] == [1, 2]
+    # TensorBoard's own reader reads the same scalars back from the run's event file
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb" / "rollout-seed0"))
+    events.Reload()
+    for tag in ("reward", "k3_kl", "route_bytes", "live_routing_disagreement"):
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert got == [(r["step"], pytest.approx(r[tag], rel=1e-6)) for r in recs], tag
     assert all(r["fallback_fraction"] == 0.0 for r in recs)  # every target's predicting row was captured
     assert all(0.0 <= r["live_routing_disagreement"] <= 1.0 for r in recs)  # measured: routes were captured
     assert all(r["route_rows"] > 0 and r["route_bytes"] > 0 for r in recs)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 import models
 from experiments.synthetic import synthetic_rows
@@ -72,7 +73,8 @@ def test_two_processes_train_like_one_and_checkpoints_cross_process_counts(tmp_p
               "--compilation-cache", str(ROOT / ".pytest_cache" / "jax-compilation")]
     # Both jobs at once; leaving the block kills whatever still runs (a failure, a timeout).
     with LocalJob(1, common + ["--out", str(tmp_path / "one")], devices_per_process=8, env=env, cwd=ROOT) as j1, \
-            LocalJob(2, common + ["--out", str(tmp_path / "two")], devices_per_process=4, env=env, cwd=ROOT) as j2:
+            LocalJob(2, common + ["--out", str(tmp_path / "two"), "--tensorboard", str(tmp_path / "tb")],
+                     devices_per_process=4, env=env, cwd=ROOT) as j2:
         one, two = j1.wait(timeout=240), j2.wait(timeout=240)
     out = two[0].output
     assert "2 process(es), 8 cpu devices" in out and "4 from each process" in out and "resuming at step 0" in out
@@ -84,6 +86,14 @@ def test_two_processes_train_like_one_and_checkpoints_cross_process_counts(tmp_p
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
     assert a == b
     assert a[0]["loss"] != a[1]["loss"]  # real steps
+    # process 0 alone wrote TensorBoard events: one file, its losses those of metrics.jsonl
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 1
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(r["step"], pytest.approx(r["loss"], rel=1e-6))
+                                                                    for r in b]
 
     # Process 0 alone renamed the damaged steps (a second renamer would have made 5.damaged-1).
     assert sorted(os.listdir(ckpt_dir)) == ["0", "1", "1.damaged", "2", "5.damaged"]
