@@ -20,14 +20,22 @@ Implementations (``impl``, :data:`ATTENTION_IMPLS`):
 - ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` where cuDNN covers the mask
   (full-sequence form, no segment ids, 16-bit inputs); anything else falls back to blockwise.
 - ``"auto"``: splash on TPU, cudnn on GPU, blockwise elsewhere (the einsum when the keys fit in one
-  block: the same memory, a cheaper compile), decided from ``jax.default_backend()`` at trace time. Compiling ahead of time for a TPU topology from a CPU host traces on the CPU backend,
-  so such a program must set ``"splash"`` explicitly.
+  block: the same memory, a cheaper compile), decided at trace time by :func:`target_platform` (the
+  current mesh's devices, so a program compiled ahead of time for a TPU topology from a CPU host
+  gets splash; else the default backend), the one rule every ``"auto"`` here and in
+  :mod:`models.paged` uses.
+
+An implementation named explicitly that does not cover a call (splash in the cache form or off its
+tiling, cudnn off GPU or outside its mask) runs blockwise and says so once (a ``UserWarning`` naming
+the option and why) instead of falling back silently.
 
 A query row with no visible key (only possible for blockwise padding, never under the contract above:
 a query always sees its own slot) gives zeros in blockwise; the reference averages every value there.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -36,13 +44,30 @@ ATTENTION_IMPLS = ("auto", "xla", "blockwise", "splash", "cudnn")
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite: a fully masked row stays NaN-free
 
 
+_WARNED: set = set()
+
+
+def warn_fallback(key, message: str) -> None:
+    """One ``UserWarning`` per ``key`` per process: an option asked for did not run, and what did."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def target_platform() -> str:
+    """The platform a program is built for: the current (abstract) mesh's devices, which are an
+    ahead-of-time TPU topology's when one is traced on a CPU host, else ``jax.default_backend()``."""
+    dev = jax.sharding.get_abstract_mesh().abstract_device
+    return dev.platform if dev is not None else jax.default_backend()
+
+
 def resolve_impl(impl: str, backend: str | None = None) -> str:
-    """The implementation ``"auto"`` stands for on ``backend`` (default: ``jax.default_backend()``)."""
+    """The implementation ``"auto"`` stands for on ``backend`` (default: :func:`target_platform`)."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl={impl!r}: expected one of {', '.join(map(repr, ATTENTION_IMPLS))}")
     if impl != "auto":
         return impl
-    backend = jax.default_backend() if backend is None else backend
+    backend = target_platform() if backend is None else backend
     return {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn", "rocm": "cudnn"}.get(backend, "blockwise")
 
 
@@ -71,6 +96,10 @@ def attention(q, k, v, *, scale: float, segment_ids=None, q_positions=None, impl
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
     if impl == "xla":
         return reference_attention(q, k, v, scale=scale, segment_ids=segment_ids, q_positions=q_positions)
+    if not auto and impl in ("splash", "cudnn"):
+        why = _splash_misses(q, k, q_positions) if impl == "splash" else _cudnn_misses(q, k, v, segment_ids, q_positions)
+        warn_fallback(("attention", impl, why), f"attention_impl={impl!r} does not cover this call ({why}): "
+                                                f"blockwise attention runs instead")
     from models.blockwise import blockwise_attention
 
     return blockwise_attention(q, k, v, scale=scale, segment_ids=segment_ids, q_positions=q_positions,
@@ -80,9 +109,28 @@ def attention(q, k, v, *, scale: float, segment_ids=None, q_positions=None, impl
 def _cudnn_supports(q, k, v, segment_ids, q_positions) -> bool:
     """cuDNN's fused kernel: index-causal full sequence without segments, fp16/bf16, equal head dims
     of at most 256 (a multiple of 8), on a GPU backend."""
-    return (jax.default_backend() in ("gpu", "cuda", "rocm") and q_positions is None and segment_ids is None
-            and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and v.dtype == q.dtype
-            and q.shape[-1] == v.shape[-1] and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0)
+    return _cudnn_misses(q, k, v, segment_ids, q_positions) is None
+
+
+def _cudnn_misses(q, k, v, segment_ids, q_positions) -> str | None:
+    """Why cuDNN's fused kernel cannot take the call, or None."""
+    if target_platform() not in ("gpu", "cuda", "rocm"):
+        return f"it runs on GPU, the target is {target_platform()}"
+    if q_positions is not None or segment_ids is not None:
+        return "it takes the full-sequence form without segment ids"
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"it takes fp16 / bf16 inputs, got {q.dtype}"
+    if not (q.shape[-1] == v.shape[-1] and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0):
+        return f"it takes equal head dims <= 256 in multiples of 8, got {q.shape[-1]} and {v.shape[-1]}"
+    return None
+
+
+def _splash_misses(q, k, q_positions) -> str:
+    from models import splash
+
+    if q_positions is not None:
+        return "the cache form (q_positions)"
+    return f"T={q.shape[1]}, S={k.shape[1]}: splash tiles by {splash.BLOCK}"
 
 
 def visible(b: int, t: int, s: int, segment_ids=None, q_positions=None) -> jax.Array:

@@ -29,8 +29,8 @@ buffers hold every token of its exchange group (``n x |exchange|`` tokens,
 
 Routing (router, top-k, replay, gates), the shared experts, the load-balancing loss and the expert
 load stay outside, on the global arrays, so they are exactly the one-device values. Without such a
-mesh, or when the token count does not divide over the devices, :func:`experts` calls the kernel
-directly.
+mesh, or when the token count does not divide over the devices (said once, in a ``UserWarning``),
+:func:`experts` calls the kernel directly.
 """
 
 from __future__ import annotations
@@ -93,7 +93,13 @@ def plan(num_tokens: int, num_experts: int, intermediate: int) -> Plan | None:
     if math.prod(sizes.values()) == 1 or any(n > 1 for a, n in sizes.items() if a not in BATCH_AXES):
         return None
     batch = tuple(a for a in mesh.axis_names if a in BATCH_AXES)
-    if num_tokens % math.prod(sizes[a] for a in batch):
+    n = math.prod(sizes[a] for a in batch)
+    if num_tokens % n:
+        from models.attention import warn_fallback
+
+        warn_fallback(("expert_parallel", num_tokens, n),
+                      f"expert parallelism off for this call: {num_tokens} tokens do not divide over the {n} devices "
+                      f"of {'x'.join(batch)}; XLA partitions the expert kernel instead")
         return None
     spec = expert_weight_spec("gate_proj", (num_experts, 1, intermediate), sizes)
     return Plan(mesh, batch, _axes(spec[0]), _axes(spec[2]))

@@ -183,10 +183,10 @@ _FROM_FULL_SEQUENCE = {"splash": "auto", "blockwise": "xla", "cudnn": "xla"}
 
 
 def _target_platform() -> str:
-    """The platform the program is built for: the current mesh's devices (also an ahead-of-time TPU
-    topology traced on a CPU host), else the default backend."""
-    dev = jax.sharding.get_abstract_mesh().abstract_device
-    return dev.platform if dev is not None else jax.default_backend()
+    """The one "auto" rule (:func:`models.attention.target_platform`)."""
+    from models.attention import target_platform
+
+    return target_platform()
 
 
 def _resolve(impl: str, q, keys, values, dtype) -> str:
@@ -199,11 +199,21 @@ def _resolve(impl: str, q, keys, values, dtype) -> str:
         return impl  # an explicit "pallas" raises in models.ragged_tpu when the kernel cannot take the call
     if _target_platform() != "tpu":
         return "xla"
+    from models.attention import warn_fallback
+
     if jax.sharding.get_abstract_mesh().empty and jax.device_count() > 1:
-        return "xla"  # a Mosaic kernel cannot be partitioned automatically and, without a mesh, not by us
+        # a Mosaic kernel cannot be partitioned automatically and, without a mesh, not by us
+        warn_fallback(("paged", "no mesh"), f"paged attention 'auto' runs 'xla' on this TPU: {jax.device_count()} "
+                                            "devices and no mesh in context (the Pallas kernel needs one)")
+        return "xla"
     from models import ragged_tpu
 
-    return "pallas" if ragged_tpu.unsupported(q, keys, values, dtype) is None else "xla"
+    why = ragged_tpu.unsupported(q, keys, values, dtype)
+    if why is not None:
+        warn_fallback(("paged", why), f"paged attention 'auto' runs 'xla' on this TPU: the Pallas kernel does not take "
+                                      f"this call ({why})")
+        return "xla"
+    return "pallas"
 
 
 def _paged_rows(q, keys, values, q_pos, table, kv_len, *, block_pages: int, scale: float, dtype, layer=None):

@@ -162,6 +162,35 @@ def test_splash_compiles_for_a_tpu_topology():
     assert compiled.memory_analysis().temp_size_in_bytes < per_chip_scores // 4
 
 
+@pytest.mark.parametrize("impl,why", [("splash", r"T=5, S=5: splash tiles by 128"),
+                                      ("cudnn", r"it runs on GPU, the target is cpu")])
+def test_an_explicit_kernel_that_cannot_run_says_so_once_and_blockwise_runs(impl, why):
+    from models import attention as attention_module
+
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, 5, 2, 8)) for i in range(3))
+    attention_module._WARNED.clear()
+    with pytest.warns(UserWarning, match=rf"attention_impl='{impl}' does not cover this call \({why}\): "
+                                         r"blockwise attention runs instead"):
+        out = attention(q, k, v, scale=0.3, impl=impl)
+    np.testing.assert_allclose(out, reference_attention(q, k, v, scale=0.3), atol=1e-5)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the same call again is silent
+        attention(q, k, v, scale=0.3, impl=impl)
+
+
+def test_paged_auto_on_a_tpu_without_a_mesh_says_xla_runs(monkeypatch):
+    from models import attention as attention_module
+    from models import paged
+
+    monkeypatch.setattr(attention_module, "target_platform", lambda: "tpu")
+    monkeypatch.setattr(jax, "device_count", lambda *a: 4)
+    attention_module._WARNED.clear()
+    with pytest.warns(UserWarning, match=r"paged attention 'auto' runs 'xla' on this TPU: 4 devices and no mesh"):
+        assert paged._resolve("auto", None, None, None, jnp.float32) == "xla"
+
+
 def test_auto_resolves_per_backend_and_the_field_is_validated():
     assert [resolve_impl("auto", be) for be in ("tpu", "gpu", "cpu")] == ["splash", "cudnn", "blockwise"]
     assert resolve_impl("xla", "tpu") == "xla"

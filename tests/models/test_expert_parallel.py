@@ -7,10 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from models import MoeConfig, MoeTransformer, Replay, expert_parallel, moe
+from models import MoeConfig, MoeTransformer, Replay, attention, expert_parallel, moe
 from r3jax.sharding import batch_sharding, make_mesh
 from r3jax.train.partition import param_shardings
 
@@ -130,7 +131,10 @@ def test_plan_needs_a_trainer_mesh_and_divisible_shapes():
     with jax.set_mesh(make_mesh(8, 1, 1)):
         p = expert_parallel.plan(64, 8, 32)
         assert (p.batch, p.expert, p.hidden, p.exchange) == (("data", "fsdp", "expert"), (), (), ())
-        assert expert_parallel.plan(60, 8, 32) is None  # tokens not divisible by 8 devices
+        attention._WARNED.clear()
+        with pytest.warns(UserWarning, match=r"expert parallelism off for this call: 60 tokens do not divide over "
+                                             r"the 8 devices of dataxfsdpxexpert; XLA partitions"):
+            assert expert_parallel.plan(60, 8, 32) is None  # tokens not divisible by 8 devices
     with jax.set_mesh(make_mesh(1, 2, 4)):
         assert expert_parallel.plan(64, 6, 33).exchange == ()  # neither E=6 nor I=33 divides
         assert expert_parallel.plan(64, 6, 32).exchange == ("fsdp",)  # I over fsdp only
