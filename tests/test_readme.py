@@ -105,6 +105,29 @@ def test_only_clean_results_are_quoted(monkeypatch):
         assert "|---|" not in body, title
 
 
+def test_no_result_file_comes_from_a_dirty_tree():
+    """Every experiments/results/*.json, and every cell or run inside one, says a clean commit (or
+    none: files written before commits were recorded)."""
+    import json
+
+    def commits(obj):
+        if isinstance(obj, dict):
+            if obj.get("dirty") is True:
+                yield "dirty: true"
+            if isinstance(obj.get("commit"), str):
+                yield obj["commit"]
+            for v in obj.values():
+                yield from commits(v)
+        elif isinstance(obj, list):
+            for v in obj:
+                yield from commits(v)
+
+    results = Path(readme_tables.RESULTS)
+    bad = {f.name: c for f in sorted(results.glob("*.json")) for c in commits(json.loads(f.read_text()))
+           if c == "dirty: true" or c.endswith("-dirty")}
+    assert bad == {}
+
+
 def test_speed_ratios_only_where_the_peer_decoded_the_same_tokens():
     rows = [{"B": 1, "ours_over_hf": 18.0, "hf_same_tokens": 0.0}, {"B": 8, "ours_over_hf": 4.5, "hf_same_tokens": 1}]
     out = readme_tables._same_tokens_only(rows, "ours_over_hf")
