@@ -78,6 +78,22 @@ class ByteTokenizer:
     def observation(self, text: str) -> list[int]:
         return [self.USER] + self.encode(text) + [self.ASSISTANT]
 
+    def chat_ids(self, messages: Sequence[dict]) -> list[int]:
+        """A conversation ``[{role, content}]`` in this format: ``<bos>``, then a system message as
+        ``<system> text``, a user or tool message as ``<user> text <assistant>`` (so one ending the
+        list is the generation prompt), an assistant message as ``text <eos>``. ``[system, user]``
+        gives :meth:`initial_prompt`'s ids, each later ``user`` :meth:`observation`'s."""
+        ids = [self.BOS]
+        for m in messages:
+            text = self.encode(m["content"])
+            if m["role"] == "system":
+                ids += [self.SYSTEM] + text
+            elif m["role"] == "assistant":
+                ids += text + [self.EOS]
+            else:
+                ids += self.observation(m["content"])
+        return ids
+
 
 def _render_env():
     # transformers renders chat templates in the same sandbox with the same two helpers.
@@ -186,6 +202,10 @@ class HFChatTokenizer:
     def initial_prompt(self, text: str, system: str | None = None) -> list[int]:
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         return self.encode(self.render(msgs, True))
+
+    def chat_ids(self, messages: Sequence[dict]) -> list[int]:
+        """A conversation ``[{role, content}]`` rendered by the chat template with the generation prompt."""
+        return self.encode(self.render(list(messages), True))
 
     def observation(self, text: str) -> list[int]:
         return self.encode(self._obs_head + text + self._obs_tail)

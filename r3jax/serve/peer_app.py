@@ -27,7 +27,7 @@ from fastapi.responses import Response
 
 from r3jax.checks import FieldError, check_text
 from r3jax.serve.dispatch import Disconnected, ServeContext, Unavailable
-from r3jax.serve.peers import sglang, skyrl, vllm
+from r3jax.serve.peers import sglang, skyrl, vllm, vllm_chat
 from r3jax.serve.peers import openapi as peer_openapi
 from r3jax.serve.peers.common import samples as peer_samples
 from r3jax.serve.peers.common import token_ids
@@ -169,6 +169,24 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
                     choice["text"] = text_of(o.output_ids)
             else:
                 obj = vllm.render_completion(out, req, text=text_of(out.output_ids), **kw)
+            return _json_response(obj), sum(len(c["routed_experts"] or "") for c in obj["choices"])
+
+        return await run("vllm", request, parse, render)
+
+    @app.post("/v1/chat/completions", openapi_extra=peer_openapi.vllm_chat_body(), tags=["vLLM"],
+              summary="vLLM /v1/chat/completions: messages rendered by the server's chat tokenizer, routed experts")
+    async def chat_completions(request: Request):
+        def parse(body, request):
+            req, n = vllm_chat.parse_chat(body, served_model=served_model, tokenizer=tokenizer,
+                                          return_routed_experts_default=routes_default,
+                                          session_id=request.headers.get(skyrl.SESSION_HEADER), **limits)
+            return req if n == 1 else peer_samples(req, n)
+
+        def render(body, req, out):
+            outs, first = (out, req[0]) if isinstance(out, list) else ([out], req)
+            obj = vllm_chat.render_chat(outs, first, texts=[text_of(o.output_ids) for o in outs], model=served_model,
+                                        request_id=_request_id(body), created=int(time.time()), num_experts=num_experts,
+                                        return_token_ids=body.get("return_token_ids") is True)
             return _json_response(obj), sum(len(c["routed_experts"] or "") for c in obj["choices"])
 
         return await run("vllm", request, parse, render)

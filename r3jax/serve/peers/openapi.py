@@ -77,6 +77,17 @@ def vllm_completions_body() -> dict:
     return _body(_object(dict.fromkeys(fields), defaults, required=("prompt",), doc=doc))
 
 
+def vllm_chat_body() -> dict:
+    from r3jax.serve.peers import vllm_chat
+
+    doc = ("vLLM ChatCompletionRequest: messages (system / user / assistant / tool; string or text-part content) "
+           "rendered by the server's chat tokenizer; sampling fields, n, return_token_ids, return_routed_experts "
+           "and routed_experts_prompt_start as on /v1/completions. Answer: ChatCompletionResponse with "
+           "prompt_token_ids, choices[i].message.content (the decoded token_ids), token_ids, routed_experts")
+    fields, defaults = vllm_chat.chat_body_fields()
+    return _body(_object(dict.fromkeys(fields), defaults, required=("messages",), doc=doc))
+
+
 def sglang_body() -> dict:
     doc = ("SGLang GenerateReqInput (non-streaming). Answer: {text, output_ids, meta_info: {id, finish_reason, "
            "prompt_tokens, completion_tokens, cached_tokens, weight_version, output_token_logprobs, "

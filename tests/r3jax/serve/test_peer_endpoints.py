@@ -186,6 +186,53 @@ def test_r3jax_n_samples_share_one_prefill(served, binary):
     assert len({tuple(o["output_ids"]) for o in objs}) > 1
 
 
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                                                              {"type": "text", "text": "there"}]},
+        {"role": "assistant", "content": "Hello"}, {"role": "tool", "content": "42"}]
+
+
+def test_chat_equals_completions_on_the_rendered_prompt_ids(served):
+    """/v1/chat/completions renders messages with the server's tokenizer, then answers exactly what
+    /v1/completions answers for those ids: tokens, logprobs, route rows; content is the decoded ids."""
+    engine, url = served
+    ids = ByteTokenizer().chat_ids([{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
+                                     else "".join(p["text"] for p in m["content"])} for m in CHAT])
+    assert ids[:2] == [256, 261] and ids[-1] == 260  # <bos> <system> ... <user> 42 <assistant>
+    common = {"max_tokens": 6, "temperature": 0.0, "return_token_ids": True, "return_routed_experts": True,
+              "routed_experts_prompt_start": 3}
+    chat = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": CHAT, "logprobs": True,
+                                                          **common}, timeout=120)
+    assert chat.status_code == 200, chat.text
+    done = httpx.post(url + "/v1/completions", json={"prompt": ids, "logprobs": 0, **common}, timeout=120).json()
+    c, want = chat.json(), done["choices"][0]
+    assert c["object"] == "chat.completion" and c["prompt_token_ids"] == ids
+    choice = c["choices"][0]
+    assert choice["token_ids"] == want["token_ids"] and choice["finish_reason"] == want["finish_reason"]
+    assert [x["logprob"] for x in choice["logprobs"]["content"]] == want["logprobs"]["token_logprobs"]
+    assert choice["routed_experts"] == want["routed_experts"]  # same rows [s, P + G - 1), same encoding
+    assert choice["message"] == {"role": "assistant", "content": ByteTokenizer().decode(want["token_ids"]),
+                                 "tool_calls": []}
+    keys = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens: the second hit the cache
+    assert [c["usage"][k] for k in keys] == [done["usage"][k] for k in keys] == [len(ids), 6, len(ids) + 6]
+
+
+def test_openai_client_drives_chat_completions(served):
+    openai = pytest.importorskip("openai")
+    engine, url = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0.0, n=2, seed=1, extra_body={"return_token_ids": True})
+    ids = ByteTokenizer().chat_ids([{"role": "user", "content": "Hi"}])
+    [want] = engine.generate([GenerateRequest(ids, max_tokens=4, temperature=0.0)])
+    assert resp.model_extra["prompt_token_ids"] == ids and len(resp.choices) == 2
+    for choice in resp.choices:  # greedy: both samples the same
+        assert choice.model_extra["token_ids"] == want.output_ids
+        assert choice.message.content == ByteTokenizer().decode(want.output_ids)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "Hi"}])
+    assert err.value.status_code == 400 and err.value.body["param"] == "messages[0].role"
+
+
 TINY_T = 1e-30  # scaled logits would overflow: greedy below 1e-5, as vLLM
 FORMS = [  # (path, body with a 41-token prompt P, the output ids and logprobs of the answer)
     ("/v1/generate", lambda p: {"prompt_ids": p, "sampling_params": {"max_tokens": 5, "temperature": TINY_T,
@@ -258,6 +305,20 @@ BAD = [  # (path, body, status, the field the peer's error names)
     ("/generate", {"input_ids": [1], "stream": True}, 400, "stream"),
     ("/generate", {"input_ids": [1], "sampling_params": {"n": 0}}, 400, "sampling_params.n"),
     ("/detokenize", {"tokens": [1, -1]}, 400, "tokens[1]"),
+    ("/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400,
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}, 400, "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": ["\n"]}, 400, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 200}, 400,
+     "max_tokens"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     # the engine's int32 / float32 limits (a top_k >= 2**31 used to fail the whole decode batch)
     ("/skyrl/v1/generate", {"token_ids": [1], "sampling_params": {"top_k": 2**31}}, 400, "sampling_params.top_k"),
@@ -337,6 +398,12 @@ BODIES = {
             {"max_new_tokens": _mt}, optional={"top_p": ODD, "top_k": ODD, "sampling_seed": ODD}), ODD),
             "return_routed_experts": ODD, "routed_experts_start_len": st.one_of(st.integers(0, 2), ODD),
             "return_logprob": ODD, "text": ODD, "junk": ODD}),
+    "/v1/chat/completions": st.fixed_dictionaries(
+        {"messages": st.one_of(st.lists(st.fixed_dictionaries(
+            {"role": st.one_of(st.sampled_from(["system", "user", "assistant", "tool"]), ODD),
+             "content": st.one_of(st.text(max_size=4), ODD)}), max_size=3), ODD), "max_tokens": _mt},
+        optional={"model": st.one_of(st.just("tiny"), ODD), "temperature": ODD, "logprobs": ODD, "n": ODD,
+                  "top_logprobs": ODD, "tools": ODD, "junk": ODD}),
     "/detokenize": st.fixed_dictionaries({"tokens": _ids}, optional={"model": ODD}),
     "/tokenize": st.fixed_dictionaries({"prompt": st.one_of(st.text(max_size=4), ODD)}, optional={"model": ODD}),
 }
@@ -358,6 +425,8 @@ def test_fuzzed_peer_bodies_never_5xx(served, path, data):
         assert body["error"]["message"], r.text
     elif path in ("/skyrl/v1/generate", "/v1/completions"):
         assert 1 <= len(body["choices"][0]["token_ids"] or [0]) <= 64
+    elif path == "/v1/chat/completions":
+        assert body["object"] == "chat.completion" and isinstance(body["choices"][0]["message"]["content"], str)
     elif path == "/generate":
         assert 1 <= len(body["output_ids"]) <= 128
 
