@@ -3,14 +3,24 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean bench skyrl-client scale-plan decode-bytes
+.PHONY: demo test venv lock clean bench skyrl-client scale-plan decode-bytes
 
-$(STAMP): pyproject.toml
+# The tested dependency versions: requirements.lock (pip's pinned format) is installed first, then r3jax
+# itself without resolving anything, so a fresh clone gets exactly what CI tested. `make lock` rewrites it
+# from the newest versions pyproject.toml allows (then run the tests before committing it).
+EXTRAS := dev,serve,parity,peers
+$(STAMP): pyproject.toml requirements.lock
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[dev,serve,parity,peers]'
+	$(VENV)/bin/pip install -q -r requirements.lock
+	$(VENV)/bin/pip install -q --no-deps -e '.[$(EXTRAS)]'
 	$(MAKE) --no-print-directory skyrl-client
 	touch $(STAMP)
+
+lock:
+	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade --upgrade-strategy eager -e '.[$(EXTRAS)]'
+	$(VENV)/bin/pip freeze --exclude-editable | grep -v '^#' > requirements.lock
 
 # SkyRL 0.4.0's own client for tests/r3jax/serve/test_skyrl_client.py. Its wheel says Python >= 3.12,
 # so it is downloaded (not installed) and unpacked; the test imports only its client modules. Offline,
