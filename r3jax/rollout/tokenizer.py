@@ -108,6 +108,19 @@ def _render_env():
     return env
 
 
+def render_chat(template, messages: list[dict], add_generation_prompt: bool, *, bos_token: str | None,
+                eos_token: str | None) -> str:
+    """A compiled chat template (``_render_env().from_string``) applied to ``messages``, as transformers'
+    ``apply_chat_template`` does (text, not tokens)."""
+    return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=bos_token or "", eos_token=eos_token or "")
+
+
+def compile_template(text: str):
+    """A chat template's jinja2 source compiled in transformers' sandbox."""
+    return _render_env().from_string(text)
+
+
 # Dummy turns used to cut the template into pieces; their text never reaches the model.
 _U0, _A0, _U1 = "\x00u0\x00", "\x00a0\x00", "\x00u1\x00"
 
@@ -164,8 +177,8 @@ class HFChatTokenizer:
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         """The template applied to ``messages`` (text, not tokens)."""
-        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token=self.bos_token or "", eos_token=self.eos_token)
+        return render_chat(self.template, messages, add_generation_prompt, bos_token=self.bos_token,
+                           eos_token=self.eos_token)
 
     def _pieces(self) -> tuple[str, str, str]:
         u0, a0, u1 = ({"role": r, "content": c} for r, c in

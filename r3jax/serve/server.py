@@ -224,14 +224,44 @@ def build_tokenizer(spec: str, model: str, vocab_size: int):
         from tokenizers import Tokenizer
     except ImportError:
         raise ValueError(f"--tokenizer={spec!r}: reading tokenizer.json needs the 'tokenizers' package") from None
-    return _HFText(Tokenizer.from_file(str(path)))
+    return _HFText(Tokenizer.from_file(str(path)), _chat_config(path.with_name("tokenizer_config.json")))
+
+
+def _chat_config(path) -> dict:
+    """``chat_template``, ``bos_token`` and ``eos_token`` of a tokenizer_config.json (empty when absent)."""
+    import json
+
+    if not path.is_file():
+        return {}
+    cfg = json.loads(path.read_text())
+    name = lambda v: v.get("content") if isinstance(v, dict) else v
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # several named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if not isinstance(template, str):
+        return {}
+    return {"template": template, "bos_token": name(cfg.get("bos_token")), "eos_token": name(cfg.get("eos_token"))}
 
 
 class _HFText:
-    """A Hugging Face ``tokenizers.Tokenizer`` as the server's text codec (no special tokens added)."""
+    """A Hugging Face ``tokenizers.Tokenizer`` as the server's text codec (no special tokens added),
+    and its chat renderer (``chat_ids``) when the model directory's tokenizer_config.json has a
+    ``chat_template``. Serving chat needs no prefix-stable template: each request is rendered whole."""
 
-    def __init__(self, tok):
+    def __init__(self, tok, chat: dict | None = None):
+        from r3jax.rollout.tokenizer import compile_template
+
         self.tok = tok
+        chat = chat or {}
+        self._template = compile_template(chat["template"]) if chat.get("template") else None
+        self._bos, self._eos = chat.get("bos_token"), chat.get("eos_token")
+        if self._template is not None:
+            self.chat_ids = self._chat_ids
+
+    def _chat_ids(self, messages) -> list[int]:
+        from r3jax.rollout.tokenizer import render_chat
+
+        return self.encode(render_chat(self._template, list(messages), True, bos_token=self._bos, eos_token=self._eos))
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids

@@ -602,3 +602,43 @@ def test_every_generate_answer_carries_x_weight_version(served, path):
         assert r.headers.get("X-Weight-Version") == version, (r.status_code, dict(r.headers))
     if path == "/v1/generate":
         assert ok.json()["weight_version"] == engine.weight_version
+
+
+def test_chat_through_a_model_directorys_chat_template(tmp_path, serve_helpers):
+    """`--tokenizer auto` on a model directory: tokenizer.json plus tokenizer_config.json's
+    chat_template (ChatML here, a byte-level BPE made in the test) render chat requests."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from r3jax.serve.server import build_tokenizer
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    raw = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    raw.pre_tokenizer, raw.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    raw.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    chatml = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": chatml,
+                                                                "eos_token": {"content": "<|im_end|>"}}))
+    tok = build_tokenizer("auto", str(tmp_path), 272)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    text = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ids = raw.encode(text, add_special_tokens=False).ids
+    assert tok.chat_ids(messages) == ids
+    engine = serve_helpers.FakeEngine()
+    with serve_helpers.thread_server(create_app(engine, tokenizer=tok, served_model_name="m")) as srv:
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 3,
+                                                               "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["prompt_token_ids"] == ids
+        choice = body["choices"][0]
+        assert choice["token_ids"] == [(sum(ids) + t) % 272 for t in range(3)]  # the stand-in engine's reply
+        assert choice["message"]["content"] == raw.decode(choice["token_ids"], skip_special_tokens=False)
+        # a tokenizer without a template has no chat: 400 naming messages
+        (tmp_path / "tokenizer_config.json").write_text("{}")
+        plain = build_tokenizer("auto", str(tmp_path), 272)
+    with serve_helpers.thread_server(create_app(engine, tokenizer=plain, served_model_name="m")) as srv:
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": messages})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert "chat tokenizer" in r.json()["error"]["message"]
