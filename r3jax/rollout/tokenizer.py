@@ -109,11 +109,12 @@ def _render_env():
 
 
 def render_chat(template, messages: list[dict], add_generation_prompt: bool, *, bos_token: str | None,
-                eos_token: str | None) -> str:
-    """A compiled chat template (``_render_env().from_string``) applied to ``messages``, as transformers'
-    ``apply_chat_template`` does (text, not tokens)."""
+                eos_token: str | None, tools: list | None = None) -> str:
+    """A compiled chat template (``_render_env().from_string``) applied to ``messages`` (and ``tools``,
+    when given), as transformers' ``apply_chat_template`` does (text, not tokens)."""
+    extra = {} if tools is None else {"tools": tools}
     return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=bos_token or "", eos_token=eos_token or "")
+                           bos_token=bos_token or "", eos_token=eos_token or "", **extra)
 
 
 def compile_template(text: str):

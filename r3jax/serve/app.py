@@ -196,7 +196,8 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
                max_queue: int = 4096,
                load_weights: Callable[[str, str, Any], Any] | None = None, warmup: bool = True,
                served_model_name: str = "r3jax", tokenizer: Any = None,
-               return_routed_experts_default: bool = False, started_at: float | None = None) -> FastAPI:
+               return_routed_experts_default: bool = False, started_at: float | None = None,
+               tool_call_parser: str | None = None) -> FastAPI:
     """The ASGI app serving ``engine``.
 
     Requests go straight to the engine's continuous-batching scheduler (``engine.submit``).
@@ -207,7 +208,7 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
     "reason": ...}``.
     load_weights: ``(path, format, engine) -> params state`` for ``POST /v1/weights`` (default
     :func:`r3jax.serve.weights.load_state`); it runs in a worker thread while generation continues.
-    served_model_name, tokenizer, return_routed_experts_default: for the peers' endpoints
+    served_model_name, tokenizer, return_routed_experts_default, tool_call_parser: for the peers' endpoints
     (:func:`r3jax.serve.peer_app.add_peer_endpoints`: SkyRL, vLLM, SGLang forms on the same engine).
     started_at: ``time.perf_counter()`` when the serving process started (default: now); ``/v1/stats``
     ``warmup.ready_s`` counts from it to the end of warm-up (``/health`` 200), beside the warm-up's
@@ -329,7 +330,7 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
 
     add_peer_endpoints(app, ctx, vocab_size=limits.vocab_size, max_seq_len=limits.max_seq_len,
                        num_experts=engine.config.num_experts, served_model=served_model_name, tokenizer=tokenizer,
-                       routes_default=return_routed_experts_default)
+                       routes_default=return_routed_experts_default, tool_call_parser=tool_call_parser)
     _register_body_schemas(app, schema.GenerateBody, schema.WeightsBody)
     return app
 

@@ -27,7 +27,7 @@ from fastapi.responses import Response
 
 from r3jax.checks import FieldError, check_text
 from r3jax.serve.dispatch import Disconnected, ServeContext, Unavailable
-from r3jax.serve.peers import sglang, skyrl, vllm, vllm_chat
+from r3jax.serve.peers import sglang, skyrl, tool_calls, vllm, vllm_chat
 from r3jax.serve.peers import openapi as peer_openapi
 from r3jax.serve.peers.common import samples as peer_samples
 from r3jax.serve.peers.common import token_ids
@@ -83,7 +83,8 @@ def _load(raw: bytes) -> Any:
 
 
 def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_seq_len: int, num_experts: int,
-                       served_model: str, tokenizer: Any = None, routes_default: bool = False) -> None:
+                       served_model: str, tokenizer: Any = None, routes_default: bool = False,
+                       tool_call_parser: str | None = None) -> None:
     """Register the peers' endpoints on ``app``.
 
     served_model: the model name ``/v1/models`` reports and ``/v1/completions`` accepts.
@@ -92,7 +93,11 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
     naming the missing tokenizer, and response ``text`` is ''.
     routes_default: vLLM's ``--enable-return-routed-experts``: completions return routes unless the
     body says ``"return_routed_experts": false`` (an r3jax extension, e.g. openai's ``extra_body``).
+    tool_call_parser: vLLM's ``--tool-call-parser`` ("hermes", :mod:`r3jax.serve.peers.tool_calls`) for
+    chat replies, or None (tool calls stay text).
     """
+    if tool_call_parser is not None and tool_call_parser not in tool_calls.PARSERS:
+        raise FieldError("tool_call_parser", tool_call_parser, f"one of {tool_calls.PARSERS} or None")
     created = int(time.time())
     limits = dict(vocab_size=vocab_size, max_seq_len=max_seq_len)
 
@@ -186,7 +191,8 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
             outs, first = (out, req[0]) if isinstance(out, list) else ([out], req)
             obj = vllm_chat.render_chat(outs, first, texts=[text_of(o.output_ids) for o in outs], model=served_model,
                                         request_id=_request_id(body), created=int(time.time()), num_experts=num_experts,
-                                        return_token_ids=body.get("return_token_ids") is True)
+                                        return_token_ids=body.get("return_token_ids") is True,
+                                        tool_call_parser=tool_call_parser)
             return _json_response(obj), sum(len(c["routed_experts"] or "") for c in obj["choices"])
 
         return await run("vllm", request, parse, render)

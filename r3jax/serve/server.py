@@ -104,6 +104,8 @@ def parse_args(argv: list[str], devices=None) -> argparse.Namespace:
                     help="'byte' (r3jax.rollout.ByteTokenizer), a tokenizer.json path, 'none', or 'auto': "
                          "byte for a preset with its 272-token vocabulary, the model directory's tokenizer.json "
                          "if there is one, else none (text prompts and /tokenize are then a 400)")
+    ap.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                    help="vLLM's flag: read <tool_call>{json}</tool_call> blocks of chat replies into message.tool_calls")
     ap.add_argument("--enable-return-routed-experts", action="store_true",
                     help="vLLM's flag: /v1/completions returns routed experts unless a body says otherwise")
     ap.add_argument("--graceful-timeout", type=float, default=30.0)
@@ -255,13 +257,16 @@ class _HFText:
         chat = chat or {}
         self._template = compile_template(chat["template"]) if chat.get("template") else None
         self._bos, self._eos = chat.get("bos_token"), chat.get("eos_token")
+        # a template that reads `tools` renders tool definitions and assistant tool calls
+        self.supports_tools = self._template is not None and "tools" in chat["template"]
         if self._template is not None:
             self.chat_ids = self._chat_ids
 
-    def _chat_ids(self, messages) -> list[int]:
+    def _chat_ids(self, messages, tools: list | None = None) -> list[int]:
         from r3jax.rollout.tokenizer import render_chat
 
-        return self.encode(render_chat(self._template, list(messages), True, bos_token=self._bos, eos_token=self._eos))
+        return self.encode(render_chat(self._template, list(messages), True, bos_token=self._bos, eos_token=self._eos,
+                                       tools=tools))
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -337,7 +342,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"python -m r3jax serve: {e}{hint}") from None
     app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                      served_model_name=args.served_model_name or args.model, tokenizer=tokenizer,
-                     return_routed_experts_default=args.enable_return_routed_experts, started_at=started)
+                     return_routed_experts_default=args.enable_return_routed_experts, started_at=started,
+                     tool_call_parser=args.tool_call_parser)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, restores these handlers and re-raises the
     # signal: exit 0 then, instead of dying by the signal after a clean shutdown.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -8,7 +8,12 @@ up to the context), ``n`` samples sharing one prefill, ``return_token_ids`` (top
 ``prompt_token_ids``, ``choices[i].token_ids``), ``return_routed_experts`` and
 ``routed_experts_prompt_start`` with the same route encoding (base64 ``.npy`` ``[rows, L, K]``).
 ``logprobs: true`` returns the sampled token's logprob (``top_logprobs`` 0 or null). The reply's
-``message.content`` is the decoded ``token_ids``. Not served yet: ``tools`` (a 400 naming it),
+``message.content`` is the decoded ``token_ids``.
+
+Tools: ``tools`` (and assistant messages' ``tool_calls``, tool messages' ``tool_call_id``) go to a chat
+template that reads them (a tokenizer with ``supports_tools``; otherwise a 400 naming the field). With
+a tool-call parser (``serve --tool-call-parser hermes``: :mod:`r3jax.serve.peers.tool_calls`) the
+reply's calls fill ``message.tool_calls`` and ``finish_reason`` is ``"tool_calls"``. Not served yet:
 ``stream: true`` and stop strings.
 """
 
@@ -18,7 +23,7 @@ from typing import Any, Mapping
 
 from r3jax.checks import FieldError, check_int, check_text
 from r3jax.engine.request import GenerateOutput, GenerateRequest
-from r3jax.serve.peers import common, vllm
+from r3jax.serve.peers import common, tool_calls, vllm
 
 ROLES = ("system", "user", "assistant", "tool")
 CHAT_READ = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
@@ -48,6 +53,16 @@ def messages_text(value: Any) -> list[dict]:
         if role not in ROLES:
             raise FieldError(f"{where}.role", role, f"one of {', '.join(map(repr, ROLES))}")
         content = m.get("content")
+        extra = {}
+        if m.get("tool_calls") is not None:
+            if role != "assistant" or not isinstance(m["tool_calls"], list):
+                raise FieldError(f"{where}.tool_calls", m["tool_calls"], "a list of calls, on an assistant message")
+            extra["tool_calls"] = m["tool_calls"]
+            content = "" if content is None else content
+        if role == "tool" and m.get("tool_call_id") is not None:
+            if not isinstance(m["tool_call_id"], str):
+                raise FieldError(f"{where}.tool_call_id", m["tool_call_id"], "a string")
+            extra["tool_call_id"] = m["tool_call_id"]
         if isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
@@ -58,9 +73,7 @@ def messages_text(value: Any) -> list[dict]:
             content = "".join(texts)
         if not isinstance(content, str):
             raise FieldError(f"{where}.content", content, "a string or a list of text parts")
-        if m.get("tool_calls"):
-            raise FieldError(f"{where}.tool_calls", m["tool_calls"], "null (r3jax does not render tool calls yet)")
-        out.append({"role": role, "content": check_text(f"{where}.content", content)})
+        out.append({"role": role, "content": check_text(f"{where}.content", content), **extra})
     return out
 
 
@@ -70,9 +83,10 @@ def parse_chat(body: Any, *, served_model: str, tokenizer: Any, return_routed_ex
     """A chat body → ``(GenerateRequest of the rendered prompt ids, n)``; FieldError naming the field."""
     body = common.mapping("body", body)
     common.refuse_unknown(body, (*CHAT_READ, *CHAT_DEFAULTS, *vllm.SAMPLING_FREE, *vllm.SAMPLING_DEFAULTS))
-    if body.get("tools"):
-        raise FieldError("tools", body["tools"], "null or [] (r3jax does not pass tools to a chat template yet)")
-    common.only_defaults(body, CHAT_DEFAULTS)
+    tools = body.get("tools") or None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)):
+        raise FieldError("tools", tools, "a list of tool objects")
+    common.only_defaults(body, {k: v for k, v in CHAT_DEFAULTS.items() if k != "tools"})
     model = body.get("model")
     if model is not None and model != served_model:
         raise FieldError("model", model, f"the served model {served_model!r}")
@@ -82,8 +96,14 @@ def parse_chat(body: Any, *, served_model: str, tokenizer: Any, return_routed_ex
     if tokenizer is None or not callable(getattr(tokenizer, "chat_ids", None)):
         raise FieldError("messages", f"{len(messages)} messages",
                          "a server with a chat tokenizer (start it with --tokenizer byte for the presets)")
+    calls = [f"messages[{i}].tool_calls" for i, m in enumerate(messages) if "tool_calls" in m]
+    if (tools is not None or calls) and not getattr(tokenizer, "supports_tools", False):
+        field = "tools" if tools is not None else calls[0]
+        raise FieldError(field, tools if tools is not None else "[...]",
+                         "null: the server's chat template takes no tools (serve a model whose template does)")
     try:
-        prompt = [int(t) for t in tokenizer.chat_ids(messages)]
+        prompt = [int(t) for t in (tokenizer.chat_ids(messages, tools=tools) if tools is not None
+                                   else tokenizer.chat_ids(messages))]
     except ValueError as e:  # the template refused the conversation
         raise FieldError("messages", f"{len(messages)} messages", f"a conversation the chat template renders ({e})")
     prompt = common.token_ids("messages", prompt, vocab_size)
@@ -114,9 +134,11 @@ def parse_chat(body: Any, *, served_model: str, tokenizer: Any, return_routed_ex
 
 
 def render_chat(outs: list[GenerateOutput], request: GenerateRequest, *, texts: list[str], model: str,
-                request_id: str, created: int, num_experts: int, return_token_ids: bool) -> dict:
+                request_id: str, created: int, num_experts: int, return_token_ids: bool,
+                tool_call_parser: str | None = None) -> dict:
     """vLLM's ``ChatCompletionResponse``: ``choices[i]`` is sample i (message, logprobs, token ids,
-    routes); usage counts the prompt once."""
+    routes); usage counts the prompt once. ``tool_call_parser`` ("hermes" or None) reads tool calls
+    out of each reply's text."""
     p = len(request.prompt_ids)
     choices = []
     for i, (out, text) in enumerate(zip(outs, texts)):
@@ -126,8 +148,9 @@ def render_chat(outs: list[GenerateOutput], request: GenerateRequest, *, texts: 
             logprobs = {"content": [{"token": f"token_id:{t}", "logprob": common.clamp_logprob(lp), "bytes": None,
                                      "top_logprobs": []} for t, lp in zip(ids, out.logprobs)]}
         routes = None if out.routed_experts is None else vllm.encode_routes(out.routed_experts, num_experts)
-        choices.append({"index": i, "message": {"role": "assistant", "content": text, "tool_calls": []},
-                        "logprobs": logprobs, "finish_reason": out.finish_reason,
+        content, calls = tool_calls.parse_hermes(text) if tool_call_parser == "hermes" else (text, [])
+        choices.append({"index": i, "message": {"role": "assistant", "content": content, "tool_calls": calls},
+                        "logprobs": logprobs, "finish_reason": "tool_calls" if calls else out.finish_reason,
                         "stop_reason": ids[-1] if out.finish_reason == "stop" else None,
                         "token_ids": ids if return_token_ids else None, "routed_experts": routes})
     g = sum(len(o.output_ids) for o in outs)

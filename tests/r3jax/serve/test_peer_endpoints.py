@@ -635,9 +635,33 @@ def test_chat_through_a_model_directorys_chat_template(tmp_path, serve_helpers):
         choice = body["choices"][0]
         assert choice["token_ids"] == [(sum(ids) + t) % 272 for t in range(3)]  # the stand-in engine's reply
         assert choice["message"]["content"] == raw.decode(choice["token_ids"], skip_special_tokens=False)
-        # a tokenizer without a template has no chat: 400 naming messages
-        (tmp_path / "tokenizer_config.json").write_text("{}")
-        plain = build_tokenizer("auto", str(tmp_path), 272)
+        # this template reads no tools: a body with tools is a 400 naming them
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": messages, "tools": [{"type": "function"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    # a template that renders tools (and earlier tool calls) gets them
+    with_tools = ("{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}{% for m in messages %}<|im_start|>"
+                  "{{ m['role'] }}\n{{ m['content'] }}{% for c in m.get('tool_calls', []) %}<tool_call>"
+                  "{{ c['function'] | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": with_tools}))
+    tok = build_tokenizer("auto", str(tmp_path), 272)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    turns = messages + [{"role": "assistant", "content": None,
+                         "tool_calls": [{"id": "c0", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+                        {"role": "tool", "tool_call_id": "c0", "content": "3"}]
+    long = serve_helpers.FakeEngine(max_seq_len=512)  # the tool definitions make a long prompt
+    with serve_helpers.thread_server(create_app(long, tokenizer=tok, served_model_name="m",
+                                                tool_call_parser="hermes")) as srv:
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": turns, "tools": tools, "max_tokens": 2,
+                                                               "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        rendered = raw.decode(r.json()["prompt_token_ids"], skip_special_tokens=False)
+        assert rendered.startswith('<tools>[{"type": "function", "function": {"name": "add"')
+        assert '<tool_call>{"name": "add", "arguments": "{}"}</tool_call><|im_end|>' in rendered
+        assert rendered.endswith("<|im_start|>tool\n3<|im_end|>\n<|im_start|>assistant\n")
+    # a tokenizer without a template has no chat: 400 naming messages
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    plain = build_tokenizer("auto", str(tmp_path), 272)
     with serve_helpers.thread_server(create_app(engine, tokenizer=plain, served_model_name="m")) as srv:
         r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": messages})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
