@@ -222,8 +222,11 @@ class Engine:
         """Seconds from submit to the first token on the host, of the last ``n`` requests that got one."""
         return list(self._ttft[-n:])
 
-    def submit(self, request: GenerateRequest) -> concurrent.futures.Future:
-        """Queue one request; returns a ``concurrent.futures.Future[GenerateOutput]``. Raises
+    def submit(self, request: GenerateRequest, on_token=None) -> concurrent.futures.Future:
+        """Queue one request; returns a ``concurrent.futures.Future[GenerateOutput]``. ``on_token(token,
+        logprob)`` (optional) is called on the scheduler thread for each token as it reaches the host,
+        in order (``logprob`` None when not asked for); keep it short and thread-safe (streaming hands
+        it to an event loop with ``call_soon_threadsafe``); whatever it raises is logged. Raises
         :class:`r3jax.checks.FieldError` for bad input before anything is queued. ``future.cancel()``
         drops the request (a running one frees its pages). The future fails with
         :class:`r3jax.engine.EngineAborted` when a weight update aborts it (retry it), with the error of
@@ -233,7 +236,7 @@ class Engine:
 
         prompt = self._validate(request)
         seed = int(self._rng.integers(1 << 63)) if request.seed is None else int(request.seed)
-        return self._sched.submit(Job(request, prompt, seed))
+        return self._sched.submit(Job(request, prompt, seed, on_token=on_token))
 
     async def submit_async(self, request: GenerateRequest) -> GenerateOutput:
         """:meth:`submit` for asyncio callers; cancelling the awaiting task cancels the request."""

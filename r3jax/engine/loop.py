@@ -57,6 +57,7 @@ class Job:
     cached: int = 0
     row: Any = None  # host-side sampling parameters (Engine.prepare), built at admission
     resume: Any = None  # (tokens, logprobs, routes) kept when it was preempted; None before
+    on_token: Any = None  # on_token(token, logprob | None) as each token arrives (Engine.submit)
 
 
 @dataclasses.dataclass(eq=False)
@@ -392,6 +393,11 @@ class Loop:
         """One sampled token of seq; finishes seq at a stop token or its max_tokens."""
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
+        if seq.job.on_token is not None:
+            try:
+                seq.job.on_token(token, logprob if seq.job.request.return_logprobs else None)
+            except Exception:  # a streaming caller's bug must not stop the engine
+                log.exception("on_token raised; the request goes on")
         if len(seq.tokens) == 1:
             self.engine._ttft.append(now - seq.job.submitted)
         if token in seq.job.row["stop"]:

@@ -58,14 +58,18 @@ class EngineBridge:
         """Requests submitted and not yet in a decode slot."""
         return max(0, self._in_flight - int(getattr(self.engine, "max_batch_size", 0)))
 
-    async def submit(self, request: Any) -> Any:
+    async def submit(self, request: Any, on_token: Callable | None = None) -> Any:
         """The engine's output for ``request``. Raises ShuttingDown / Overloaded (not started), the
-        engine's FieldError (bad input) or EngineAborted (weights changed mid-request: retry)."""
+        engine's FieldError (bad input) or EngineAborted (weights changed mid-request: retry).
+        ``on_token(token, logprob)``: the engine's per-token callback (an engine without one delivers
+        no tokens before the output)."""
         if self._closing:
             raise ShuttingDown("server shutting down; request not started")
         if self.queued >= self.max_queue:
             raise Overloaded(f"{self.queued} requests queued (max_queue={self.max_queue}); retry later")
-        future = self._submit(request)  # validation errors raise here, before anything is queued
+        # validation errors raise here, before anything is queued
+        future = self._submit(request) if on_token is None or self._submit == self._generate_one \
+            else self._submit(request, on_token=on_token)
         self.stats["requests"] += 1
         self._in_flight += 1
         try:

@@ -87,12 +87,8 @@ class ServeContext:
             raise Disconnected()
         try:
             outs = every.result()
-        except ShuttingDown as e:  # also Overloaded: not started, so safe to retry
-            raise Unavailable(str(e)) from None
-        except EngineFailedError as e:  # this replica cannot serve any more: retry on another
-            raise Unavailable(str(e), "engine_failed") from None
-        except EngineAborted as e:  # stopped by a weight update: nothing was returned, retry it
-            raise Unavailable(str(e), "aborted") from None
+        except (ShuttingDown, EngineFailedError, EngineAborted) as e:
+            raise unavailable(e) from None
         finally:
             _cancel(tasks)  # after one sample's error the others still run: nobody would read them
         if len({o.weight_version for o in outs}) > 1:
@@ -119,6 +115,15 @@ class ServeContext:
         if sum(r.nbytes for r in routes) > OFFLOAD_BYTES:
             return await asyncio.to_thread(timed)
         return timed()
+
+
+def unavailable(e: BaseException) -> Unavailable:
+    """The :class:`Unavailable` a retry fixes, for the bridge's and engine's refusals."""
+    if isinstance(e, EngineFailedError):  # this replica cannot serve any more: retry on another
+        return Unavailable(str(e), "engine_failed")
+    if isinstance(e, EngineAborted):  # stopped by a weight update: nothing was returned, retry it
+        return Unavailable(str(e), "aborted")
+    return Unavailable(str(e))  # ShuttingDown, Overloaded: not started, so safe to retry
 
 
 def _cancel(tasks) -> None:

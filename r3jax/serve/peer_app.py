@@ -32,6 +32,7 @@ from r3jax.serve.peers import openapi as peer_openapi
 from r3jax.serve.peers.common import samples as peer_samples
 from r3jax.serve.peers.common import token_ids
 from r3jax.serve.schema import load_json
+from r3jax.serve.streaming import stream_answer, stream_request
 
 # engine request fields (GenerateRequest) -> the field each peer calls them
 _ENGINE_FIELDS = {
@@ -109,13 +110,30 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
             raise FieldError(field, text, f"token ids ({NO_TOKENIZER})")
         return list(tokenizer.encode(check_text(field, text)))
 
+    def refusal(peer: str, err: BaseException) -> Response:
+        if isinstance(err, FieldError):
+            return _error(peer, _peer_field(peer, err))
+        if isinstance(err, Unavailable):
+            return _unavailable(peer, err.detail)
+        raise err
+
     async def run(peer: str, request: Request, parse: Callable[[Any, Request], Any],
-                  render: Callable[[Any, Any, Any], tuple[Response, int]]) -> Response:
+                  render: Callable[[Any, Any, Any], tuple[Response, int]], stream_kind: str | None = None) -> Response:
+        """One request of ``peer``'s form; ``stream_kind`` ("completion" / "chat"): the body may ask for
+        ``stream: true`` (:mod:`r3jax.serve.streaming`)."""
         try:
             body = _load(await request.body())
+            streamed, usage = False, False
+            if stream_kind is not None:
+                streamed, usage, body = stream_request(body)
             req = parse(body, request)
         except FieldError as e:
             return _error(peer, e)
+        if streamed:
+            return await stream_answer(ctx, req, kind=stream_kind, request_id=_request_id(body), model=served_model,
+                                       num_experts=num_experts, decode=text_of, include_usage=usage,
+                                       return_token_ids=body.get("return_token_ids") is True,
+                                       on_error=lambda e: refusal(peer, e))
         reqs = req if isinstance(req, list) else [req]  # several: one prompt's samples, submitted together
         try:
             outs = await ctx.generate_all(request, reqs)
@@ -176,7 +194,7 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
                 obj = vllm.render_completion(out, req, text=text_of(out.output_ids), **kw)
             return _json_response(obj), sum(len(c["routed_experts"] or "") for c in obj["choices"])
 
-        return await run("vllm", request, parse, render)
+        return await run("vllm", request, parse, render, stream_kind="completion")
 
     @app.post("/v1/chat/completions", openapi_extra=peer_openapi.vllm_chat_body(), tags=["vLLM"],
               summary="vLLM /v1/chat/completions: messages rendered by the server's chat tokenizer, routed experts")
@@ -195,7 +213,7 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
                                         tool_call_parser=tool_call_parser)
             return _json_response(obj), sum(len(c["routed_experts"] or "") for c in obj["choices"])
 
-        return await run("vllm", request, parse, render)
+        return await run("vllm", request, parse, render, stream_kind="chat")
 
     @app.get("/v1/models", tags=["vLLM"], summary="vLLM's ModelList: the served model")
     async def models():

@@ -13,8 +13,8 @@ up to the context), ``n`` samples sharing one prefill, ``return_token_ids`` (top
 Tools: ``tools`` (and assistant messages' ``tool_calls``, tool messages' ``tool_call_id``) go to a chat
 template that reads them (a tokenizer with ``supports_tools``; otherwise a 400 naming the field). With
 a tool-call parser (``serve --tool-call-parser hermes``: :mod:`r3jax.serve.peers.tool_calls`) the
-reply's calls fill ``message.tool_calls`` and ``finish_reason`` is ``"tool_calls"``. Not served yet:
-``stream: true`` and stop strings.
+reply's calls fill ``message.tool_calls`` and ``finish_reason`` is ``"tool_calls"``. ``stream: true``:
+:mod:`r3jax.serve.streaming`. Not served yet: stop strings.
 """
 
 from __future__ import annotations

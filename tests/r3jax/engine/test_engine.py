@@ -145,3 +145,22 @@ def test_cancelling_a_waiting_request_drops_it(engine):
     with pytest.raises(concurrent.futures.CancelledError):
         queued.result(timeout=0)
     assert engine.stats["queued"] == 0
+
+
+def test_on_token_sees_every_token_in_order_before_the_answer(engine):
+    """Engine.submit(request, on_token=...): each token and its logprob as it reaches the host (the
+    decode loop's and mixed steps' alike), in order, all of them before the future completes; an
+    on_token that raises does not stop the request."""
+    seen, stops = [], []
+    req = GenerateRequest(prompt_ids=_prompt(70, 9), max_tokens=21, temperature=1.0, seed=3)
+    fut = engine.submit(req, on_token=lambda t, lp: seen.append((t, lp)))
+    out = fut.result(timeout=120)
+    assert seen == list(zip(out.output_ids, out.logprobs))
+    quiet = GenerateRequest(prompt_ids=_prompt(71, 5), max_tokens=6, temperature=0.0, return_logprobs=False)
+
+    def boom(t, lp):
+        stops.append(lp)
+        raise RuntimeError("a caller's bug")
+
+    out = engine.submit(quiet, on_token=boom).result(timeout=120)
+    assert len(out.output_ids) == 6 and stops == [None] * 6  # no logprob asked for: None

@@ -13,6 +13,7 @@ import io
 import json
 import struct
 import threading
+import time
 
 import httpx
 import numpy as np
@@ -315,7 +316,9 @@ BAD = [  # (path, body, status, the field the peer's error names)
      400, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400,
      "top_logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}, 400, "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": 1}, 400, "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True, "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": [1], "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": ["\n"]}, 400, "stop"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 200}, 400,
      "max_tokens"),
@@ -666,3 +669,82 @@ def test_chat_through_a_model_directorys_chat_template(tmp_path, serve_helpers):
         r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": messages})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         assert "chat tokenizer" in r.json()["error"]["message"]
+
+
+def test_text_stream_never_splits_a_utf8_character():
+    from r3jax.serve.peers.stream import TextStream
+
+    tok = ByteTokenizer()
+    text = "Zürich costs 5 € 🙂"
+    ts = TextStream(tok.decode)
+    deltas = [ts.push([b]) for b in text.encode()] + [ts.flush()]
+    assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas)
+    assert deltas[1] == "" and deltas[2] == "ü"  # 0xC3 alone is held back until 0xBC completes it
+
+
+def _events(lines):
+    out = []
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[6:]))
+    return out
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stream_joins_to_the_answer_it_streams(served, path):
+    """Token chunks as they arrive, routes on the chunk with finish_reason, usage last, [DONE]: joined,
+    the same text, token ids, logprobs and route rows as the same request not streamed."""
+    engine, url = served
+    chat = path.endswith("chat/completions")
+    ask = {"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": FIRST}
+    body = {**ask, "max_tokens": 12, "temperature": 0.0, "logprobs": True if chat else 0, "return_token_ids": True,
+            "return_routed_experts": True, "routed_experts_prompt_start": 2}
+    whole = httpx.post(url + path, json=body, timeout=120).json()
+    with httpx.stream("POST", url + path, json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                      timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = _events(lines)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 12
+    choices = [e["choices"][0] for e in events[:-1]]
+    want = whole["choices"][0]
+    assert sum((c["token_ids"] or [] for c in choices), []) == want["token_ids"]
+    assert [c["finish_reason"] for c in choices if c["finish_reason"]] == [want["finish_reason"]]
+    assert choices[-1]["finish_reason"] and choices[-1]["routed_experts"] == want["routed_experts"]
+    assert all(c["routed_experts"] is None for c in choices[:-1])
+    if chat:
+        assert "".join(c["delta"].get("content", "") for c in choices) == want["message"]["content"]
+        assert events[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+        lps = [x["logprob"] for c in choices if c["logprobs"] for x in c["logprobs"]["content"]]
+        assert lps == [x["logprob"] for x in want["logprobs"]["content"]]
+    else:
+        assert "".join(c["text"] for c in choices) == want["text"]
+        lps = [x for c in choices if c["logprobs"] for x in c["logprobs"]["token_logprobs"]]
+        assert lps == want["logprobs"]["token_logprobs"]
+
+
+def test_openai_client_streams_chat(served):
+    openai = pytest.importorskip("openai")
+    engine, url = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    msgs = [{"role": "user", "content": "Hi"}]
+    whole = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0.0)
+    parts = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0.0,
+                                                stream=True))
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == whole.choices[0].message.content
+    assert parts[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_a_dropped_stream_frees_its_request(served):
+    engine, url = served
+    before = engine.stats["cancelled"]
+    with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                      json={"prompt": FIRST, "max_tokens": 55, "temperature": 0.0, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # one chunk, then the client leaves
+    deadline = time.time() + 30
+    while time.time() < deadline and not (engine.stats["live_slots"] == 0 and engine.stats["cancelled"] > before):
+        time.sleep(0.05)
+    assert engine.stats["live_slots"] == 0 and engine.stats["cancelled"] == before + 1
