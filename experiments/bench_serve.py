@@ -20,6 +20,11 @@ One untimed pass of the workload per level follows; medians of ``--repeats`` int
 programs compiled during the timed passes are reported (0 expected). Wire bytes: one response per route format, measured on
 the actual HTTP body, per route row, against the raw array (rows × L × K × itemsize); the same
 encoders on a Qwen3-30B-A3B-shaped array (L = 48, K = 8) show the ratio at real size.
+
+Streaming: 32 requests of the same workload sent at once to vLLM's ``/v1/completions`` (routes and
+token ids returned), streamed (``stream: true``, server-sent events) and not, in interleaved passes
+after an untimed one of each: tokens/s streamed ÷ not (goal >= 0.9: streaming costs nothing
+measurable).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from r3jax.serve import RemoteInferenceClient  # noqa: E402
 from r3jax.serve.protocol import BINARY_MEDIA_TYPE  # noqa: E402
 
 MAX_BATCH, MAX_SEQ, PROMPT = 32, 128, 20
+STREAMS = 32  # concurrent streams in the streaming comparison
 
 
 def start_server(max_tokens: int) -> tuple[subprocess.Popen, str]:
@@ -85,6 +91,29 @@ def http_pass(loop, client: RemoteInferenceClient, reqs) -> float:
     outs = loop.run_until_complete(client.agenerate(reqs))
     dt = time.perf_counter() - t0
     assert all(len(o.output_ids) == r.max_tokens for o, r in zip(outs, reqs))
+    return dt
+
+
+async def completions_pass(client: httpx.AsyncClient, url: str, reqs, *, stream: bool) -> float:
+    """Every request through vLLM's /v1/completions at once (the client's connection limit is the
+    concurrency), streamed (server-sent events, tokens counted from the chunks) or not; seconds."""
+    async def one(r) -> int:
+        body = {"prompt": list(r.prompt_ids), "max_tokens": r.max_tokens, "temperature": 1.0, "seed": r.seed,
+                "return_token_ids": True, "return_routed_experts": True, "stream": stream}
+        if not stream:
+            resp = await client.post(url + "/v1/completions", json=body)
+            return len(resp.json()["choices"][0]["token_ids"])
+        got = 0
+        async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    got += sum(len(c["token_ids"] or []) for c in json.loads(line[6:])["choices"])
+        return got
+
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one(r) for r in reqs))
+    dt = time.perf_counter() - t0
+    assert counts == [r.max_tokens for r in reqs], counts
     return dt
 
 
@@ -163,6 +192,16 @@ def main():
                 e0, e1 = before["engine"], after["engine"]
                 batches[c] = (e1["decode_slot_steps"] - e0["decode_slot_steps"]) / max(1, e1["decode_calls"] - e0["decode_calls"])
                 times[("engine", c)].append(engine_pass(engine, work, c))
+        # streaming: 32 concurrent streams against 32 concurrent plain requests, interleaved passes
+        stream_reqs = reqs[:STREAMS]
+        http = httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=STREAMS))
+        stream_times = {True: [], False: []}
+        for i in range(repeats + 1):  # the first pass of each is untimed (connections, first chunks)
+            for streamed in (False, True):
+                dt = loop.run_until_complete(completions_pass(http, url, stream_reqs, stream=streamed))
+                if i:
+                    stream_times[streamed].append(dt)
+        loop.run_until_complete(http.aclose())
         compiled_while_timing = [b - a for a, b in zip(warm, programs())]
         rows = []
         per_req_serial = statistics.median(times[("http", 1)]) / len(single)
@@ -174,6 +213,11 @@ def main():
                          "engine_req_s": k / te, "engine_tok_s": k * max_tokens / te,
                          "http_vs_engine": te / th, "mean_server_batch": batches[c],
                          "vs_serial": th / (k * per_req_serial)})
+        toks = len(stream_reqs) * max_tokens
+        streaming = {"requests": len(stream_reqs), "new_tokens": max_tokens,
+                     "plain_tok_s": toks / statistics.median(stream_times[False]),
+                     "streamed_tok_s": toks / statistics.median(stream_times[True])}
+        streaming["streamed_over_plain"] = streaming["streamed_tok_s"] / streaming["plain_tok_s"]
         wire = wire_bytes(url, info)
         for client in clients.values():
             loop.run_until_complete(client.aclose())
@@ -188,7 +232,11 @@ def main():
     print(table(wire, ["model", "rows", "raw_B_per_row", "json_B_per_row", "binary_B_per_row", "json_vs_raw",
                        "binary_vs_raw", "json_response_B_per_row", "binary_response_B_per_row"]))
     print(f"programs compiled during the timed passes (server, in-process): {compiled_while_timing}")
+    print(f"{streaming['requests']} concurrent streams over {streaming['requests']} concurrent plain /v1/completions "
+          f"requests: {streaming['streamed_tok_s']:.0f} / {streaming['plain_tok_s']:.0f} tokens/s = "
+          f"{streaming['streamed_over_plain']:.3f} (goal >= 0.9)")
     path = write_json("bench_serve", {"quick": args.quick, "repeats": repeats, "throughput": rows, "wire": wire,
+                                      "streaming": streaming,
                                       "compiled_while_timing": compiled_while_timing,
                                       "max_batch_size": MAX_BATCH, "max_seq_len": MAX_SEQ})
     print("wrote", path)

@@ -205,7 +205,16 @@ def bench_serve(d: dict) -> str:
     return (_t(d["throughput"], ["concurrency", "requests", "http_req_s", "http_tok_s", "engine_req_s",
                                  "http_vs_engine", "mean_server_batch", "vs_serial"]) + "\n\n"
             + _t(d["wire"], ["model", "raw_B_per_row", "json_B_per_row", "binary_B_per_row", "json_vs_raw",
-                             "binary_vs_raw"]))
+                             "binary_vs_raw"]) + _streaming(d.get("streaming")))
+
+
+def _streaming(s: dict | None) -> str:
+    if not s:
+        return ""
+    return (f"\n\nStreaming: {s['requests']} concurrent streams of `/v1/completions` (`stream: true`, {s['new_tokens']} "
+            f"new tokens, routes on the last chunk) against {s['requests']} concurrent plain requests: "
+            f"{s['streamed_tok_s']:.0f} / {s['plain_tok_s']:.0f} tokens/s = **{s['streamed_over_plain']:.2f}×** "
+            f"(goal ≥ 0.9).")
 
 
 def transfer_cost(d: dict) -> str:
