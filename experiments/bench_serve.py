@@ -188,7 +188,7 @@ def main():
                 before = httpx.get(url + "/v1/stats").json()
                 times[("http", c)].append(http_pass(loop, clients[c], work))
                 after = httpx.get(url + "/v1/stats").json()
-                # mean live slots per decode call of the continuous-batching engine
+                # tokens decoded per decode call (rows x steps: a decode loop runs up to decode_steps of them)
                 e0, e1 = before["engine"], after["engine"]
                 batches[c] = (e1["decode_slot_steps"] - e0["decode_slot_steps"]) / max(1, e1["decode_calls"] - e0["decode_calls"])
                 times[("engine", c)].append(engine_pass(engine, work, c))

@@ -420,7 +420,8 @@ SECTIONS = [
             "Async multi-turn agents over HTTP on a long-tailed mix of turn lengths, the paged engine's continuous "
             "batching against its `--static` batch-to-completion mode (`python -m r3jax serve --model tiny`, 32 "
             "requests at once); in-process latency and compilation counts. `ms_per_call`: wall ÷ device calls "
-            "that decode (a call runs a decode loop of up to 8 steps, or one mixed step). Both agent goals are "
+            "that decode (a call runs a decode loop of up to 8 steps, or one mixed step); `mean_live_slots`: tokens "
+            "decoded per such call (rows × steps). Both agent goals are "
             "missed in this run: the mixed agents (8 turns each, mostly 8 tokens a turn) finish after the long "
             "sessions (3 turns of 96 tokens), and the long sessions take 2.8× as long in the mix as alone.",
             bench_engine),
@@ -471,7 +472,8 @@ SECTIONS = [
             bench_trace),
     Section("bench_serve", "Serving", "python -m experiments.bench_serve",
             "Tiny model over HTTP through `RemoteInferenceClient` against the in-process engine on batches of the "
-            "same size; `mean_server_batch`: live slots per decode call on the server; `vs_serial`: wall time of "
+            "same size; `mean_server_batch`: tokens decoded per decode call on the server (rows × steps: a call "
+            "runs a decode loop of up to 8 steps, or one mixed step); `vs_serial`: wall time of "
             "c concurrent requests ÷ c × one request's.", bench_serve),
     Section("transfer_cost_route_heavy", "Transfer cost of multi-turn rollouts",
             "python -m experiments.transfer_cost --model route_heavy",
