@@ -28,7 +28,7 @@ from models.weights import split_weights
 from r3jax.checks import FieldError, check_int
 from r3jax.engine import step as dev
 from r3jax.engine.pages import PagePool
-from r3jax.engine.programs import Programs, bucket, pow2_at_least, round_up
+from r3jax.engine.programs import Programs, bucket, round_up
 from r3jax.engine.request import GREEDY_BELOW, GenerateOutput, GenerateRequest
 from r3jax.engine.sampling import seed_words
 from r3jax.engine.sharding import Placement
