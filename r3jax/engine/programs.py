@@ -1,7 +1,7 @@
 """Shape buckets and the engine's fixed set of compiled device programs.
 
-Every shape a program sees comes from the engine's configuration (slots, cache length, prefill rows,
-prefill buckets, attention windows, read-out lengths), never from traffic, so the set of programs is
+Every shape a program sees comes from the engine's configuration (decode-row and prefill-row buckets,
+page tables, prefill chunk, decode steps), never from traffic, so the set of programs is
 known before the first request and warm-up (:meth:`r3jax.engine.Engine.warmup`) compiles all of them.
 Programs are compiled ahead of time (``jit(...).lower(...).compile()``) and called directly, so a call
 with any other shape or placement fails loudly instead of compiling quietly.
@@ -15,30 +15,8 @@ from typing import Any, Callable, Hashable
 import jax
 
 
-def pow2_at_least(n: int, *, lo: int = 1, hi: int | None = None) -> int:
-    """Smallest power of two >= max(n, lo), capped at hi (hi itself need not be a power of two)."""
-    b = 1
-    while b < max(n, lo):
-        b *= 2
-    return b if hi is None else min(b, hi)
-
-
-def pow2_at_most(n: int) -> int:
-    """Largest power of two <= n (n >= 1)."""
-    return 1 << (int(n).bit_length() - 1)
-
-
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def buckets(lo: int, hi: int) -> list[int]:
-    """Powers of two from ``lo`` (a power of two) below ``hi``, then ``hi`` itself: [lo, 2lo, ..., hi]."""
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= 2
-    return out + [hi]
 
 
 def bucket(n: int, sizes: list[int]) -> int:
