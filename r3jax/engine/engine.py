@@ -225,8 +225,10 @@ class Engine:
     def submit(self, request: GenerateRequest, on_token=None) -> concurrent.futures.Future:
         """Queue one request; returns a ``concurrent.futures.Future[GenerateOutput]``. ``on_token(token,
         logprob)`` (optional) is called on the scheduler thread for each token as it reaches the host,
-        in order (``logprob`` None when not asked for); keep it short and thread-safe (streaming hands
-        it to an event loop with ``call_soon_threadsafe``); whatever it raises is logged. Raises
+        in order (``logprob`` None when not asked for); a true return value stops the request at that
+        token (finish_reason "stop", as a stop token would: stop strings use it). Keep it short and
+        thread-safe (streaming hands tokens to an event loop with ``call_soon_threadsafe``); whatever it
+        raises is logged. Raises
         :class:`r3jax.checks.FieldError` for bad input before anything is queued. ``future.cancel()``
         drops the request (a running one frees its pages). The future fails with
         :class:`r3jax.engine.EngineAborted` when a weight update aborts it (retry it), with the error of

@@ -284,14 +284,15 @@ class Loop(Admission):
         """One sampled token of seq; finishes seq at a stop token or its max_tokens."""
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
+        stop_here = False
         if seq.job.on_token is not None:
-            try:
-                seq.job.on_token(token, logprob if seq.job.request.return_logprobs else None)
+            try:  # a true answer stops the request at this token (stop strings: r3jax.serve.peers.stream)
+                stop_here = bool(seq.job.on_token(token, logprob if seq.job.request.return_logprobs else None))
             except Exception:  # a streaming caller's bug must not stop the engine
                 log.exception("on_token raised; the request goes on")
         if len(seq.tokens) == 1:
             self.engine._ttft.append(now - seq.job.submitted)
-        if token in seq.job.row["stop"]:
+        if token in seq.job.row["stop"] or stop_here:
             seq.stopped = True
         if seq.stopped or len(seq.tokens) >= seq.max_new:
             self._finish(seq)

@@ -67,12 +67,14 @@ class ServeContext:
         """The engine's ``GenerateOutput`` for ``req`` (raises FieldError, Unavailable, Disconnected)."""
         return (await self.generate_all(request, [req]))[0]
 
-    async def generate_all(self, request: Request, reqs: list) -> list:
+    async def generate_all(self, request: Request, reqs: list, on_tokens: list | None = None) -> list:
         """Outputs of ``reqs`` (one prompt's samples), submitted together so the engine prefills the
         prompt once. All or nothing: when one fails or the client leaves, the others are cancelled,
-        and samples that finished under different weights are :class:`Unavailable` (``aborted``)."""
+        and samples that finished under different weights are :class:`Unavailable` (``aborted``).
+        ``on_tokens``: each request's per-token callback (stop strings), or None."""
         self.count_session(reqs[0].session_id)
-        tasks = [asyncio.ensure_future(self.bridge.submit(r)) for r in reqs]
+        on_tokens = on_tokens or [None] * len(reqs)
+        tasks = [asyncio.ensure_future(self.bridge.submit(r, on_token=f)) for r, f in zip(reqs, on_tokens)]
         every = asyncio.gather(*tasks)
         gone = asyncio.ensure_future(_disconnected(request))
         try:

@@ -32,6 +32,7 @@ from r3jax.serve.peers import openapi as peer_openapi
 from r3jax.serve.peers.common import samples as peer_samples
 from r3jax.serve.peers.common import token_ids
 from r3jax.serve.schema import load_json
+from r3jax.serve.peers.stream import StopWatch, stop_strings
 from r3jax.serve.streaming import stream_answer, stream_request
 
 # engine request fields (GenerateRequest) -> the field each peer calls them
@@ -105,6 +106,11 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
     def text_of(ids) -> str:
         return "" if tokenizer is None else tokenizer.decode(list(ids))
 
+    def stopped_text(out, watch) -> str:
+        """The reply's text, cut before its stop string when one stopped it."""
+        text = text_of(out.output_ids)
+        return text if watch is None else watch.text(text)
+
     def encode_text(field: str, text: Any) -> list[int]:
         if tokenizer is None:
             raise FieldError(field, text, f"token ids ({NO_TOKENIZER})")
@@ -123,9 +129,11 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
         ``stream: true`` (:mod:`r3jax.serve.streaming`)."""
         try:
             body = _load(await request.body())
-            streamed, usage = False, False
+            streamed, usage, stops = False, False, []
             if stream_kind is not None:
                 streamed, usage, body = stream_request(body)
+                if isinstance(body, dict):
+                    stops, body = stop_strings(body)
             req = parse(body, request)
         except FieldError as e:
             return _error(peer, e)
@@ -133,10 +141,11 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
             return await stream_answer(ctx, req, kind=stream_kind, request_id=_request_id(body), model=served_model,
                                        num_experts=num_experts, decode=text_of, include_usage=usage,
                                        return_token_ids=body.get("return_token_ids") is True,
-                                       on_error=lambda e: refusal(peer, e))
+                                       on_error=lambda e: refusal(peer, e), stops=stops)
         reqs = req if isinstance(req, list) else [req]  # several: one prompt's samples, submitted together
+        watches = [StopWatch(stops, text_of) for _ in reqs] if stops else None
         try:
-            outs = await ctx.generate_all(request, reqs)
+            outs = await ctx.generate_all(request, reqs, on_tokens=watches)
         except FieldError as e:
             return _error(peer, _peer_field(peer, e))
         except Unavailable as e:
@@ -144,7 +153,8 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
         except Disconnected:
             return Response(status_code=499)
         out = outs if isinstance(req, list) else outs[0]
-        response = await ctx.render(peer, outs, lambda: render(body, req, out))
+        kw = {} if stream_kind is None else {"watches": watches or [None] * len(outs)}
+        response = await ctx.render(peer, outs, lambda: render(body, req, out, **kw))
         return with_version(response, outs[0].weight_version)  # the answer's own (errors: the app's Guard)
 
     # ---- SkyRL ------------------------------------------------------------------------------------
@@ -183,15 +193,17 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
             n = vllm.completion_samples(body)
             return req if n == 1 else peer_samples(req, n)
 
-        def render(body, req, out):
+        def render(body, req, out, watches):
             kw = dict(model=served_model, request_id=_request_id(body), created=int(time.time()),
                       num_experts=num_experts, return_token_ids=body.get("return_token_ids") is True)
             if isinstance(out, list):
                 obj = vllm.render_completions(out, req[0], **kw)
-                for choice, o in zip(obj["choices"], out):
-                    choice["text"] = text_of(o.output_ids)
             else:
-                obj = vllm.render_completion(out, req, text=text_of(out.output_ids), **kw)
+                obj = vllm.render_completion(out, req, **kw)
+            for choice, o, w in zip(obj["choices"], out if isinstance(out, list) else [out], watches):
+                choice["text"] = stopped_text(o, w)
+                if w is not None and w.matched is not None:
+                    choice["stop_reason"] = w.matched
             return _json_response(obj), sum(len(c["routed_experts"] or "") for c in obj["choices"])
 
         return await run("vllm", request, parse, render, stream_kind="completion")
@@ -205,12 +217,15 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
                                           session_id=request.headers.get(skyrl.SESSION_HEADER), **limits)
             return req if n == 1 else peer_samples(req, n)
 
-        def render(body, req, out):
+        def render(body, req, out, watches):
             outs, first = (out, req[0]) if isinstance(out, list) else ([out], req)
-            obj = vllm_chat.render_chat(outs, first, texts=[text_of(o.output_ids) for o in outs], model=served_model,
-                                        request_id=_request_id(body), created=int(time.time()), num_experts=num_experts,
-                                        return_token_ids=body.get("return_token_ids") is True,
+            obj = vllm_chat.render_chat(outs, first, texts=[stopped_text(o, w) for o, w in zip(outs, watches)],
+                                        model=served_model, request_id=_request_id(body), created=int(time.time()),
+                                        num_experts=num_experts, return_token_ids=body.get("return_token_ids") is True,
                                         tool_call_parser=tool_call_parser)
+            for choice, w in zip(obj["choices"], watches):
+                if w is not None and w.matched is not None:
+                    choice["stop_reason"] = w.matched
             return _json_response(obj), sum(len(c["routed_experts"] or "") for c in obj["choices"])
 
         return await run("vllm", request, parse, render, stream_kind="chat")

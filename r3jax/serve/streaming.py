@@ -25,14 +25,17 @@ from r3jax.serve.peers import stream, vllm
 
 async def stream_answer(ctx: ServeContext, req, *, kind: str, request_id: str, model: str, num_experts: int,
                         decode: Callable[[list[int]], str], return_token_ids: bool, include_usage: bool,
-                        on_error: Callable[[BaseException], Response]) -> Response:
+                        on_error: Callable[[BaseException], Response], stops: list[str] | None = None) -> Response:
     """``kind``: ``"completion"`` or ``"chat"``. ``on_error(err)``: the answer for a FieldError or
-    :class:`Unavailable` raised before the stream starts."""
+    :class:`Unavailable` raised before the stream starts. ``stops``: stop strings."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
+    watch = stream.StopWatch(stops, decode) if stops else None
 
-    def on_token(token: int, logprob: float | None) -> None:  # the engine's thread
+    def on_token(token: int, logprob: float | None) -> bool:  # the engine's thread
+        stop = watch is not None and watch(token, logprob)  # before the event: its chunk sees the cut
         loop.call_soon_threadsafe(events.put_nowait, (token, logprob))
+        return stop
 
     ctx.count_session(req.session_id)
     try:
@@ -51,7 +54,7 @@ async def stream_answer(ctx: ServeContext, req, *, kind: str, request_id: str, m
     ctx.protocols["vllm"] += 1
     head = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}", "created": int(time.time()),
             "model": model}
-    text = stream.TextStream(decode)
+    text = stream.TextStream(decode, hold=0 if watch is None else watch.hold)
     prompt = list(req.prompt_ids)
 
     def chunk(ids: list[int], lps, delta_text: str, **kw) -> bytes:
@@ -80,7 +83,7 @@ async def stream_answer(ctx: ServeContext, req, *, kind: str, request_id: str, m
                     got.append(events.get_nowait())
                 pending = asyncio.ensure_future(events.get())
                 ids = [t for t, _ in got]
-                yield chunk(ids, [lp for _, lp in got], text.push(ids),
+                yield chunk(ids, [lp for _, lp in got], text.push(ids, None if watch is None else watch.cut),
                             prompt_ids=prompt if kind == "completion" and sent == 0 else None)
                 sent += len(ids)
             pending.cancel()
@@ -96,9 +99,11 @@ async def stream_answer(ctx: ServeContext, req, *, kind: str, request_id: str, m
             rest = [int(t) for t in out.output_ids[sent:]]  # an engine without on_token streams nothing early
             if rest:
                 lps = None if out.logprobs is None else list(out.logprobs[sent:])
-                yield chunk(rest, lps, text.push(rest), prompt_ids=prompt if kind == "completion" and sent == 0 else None)
+                yield chunk(rest, lps, text.push(rest, None if watch is None else watch.cut),
+                            prompt_ids=prompt if kind == "completion" and sent == 0 else None)
             routes = None if out.routed_experts is None else vllm.encode_routes(out.routed_experts, num_experts)
-            yield chunk([], None, text.flush(), finish_reason=out.finish_reason, routes=routes)
+            yield chunk([], None, text.flush(None if watch is None else watch.cut), finish_reason=out.finish_reason,
+                        routes=routes, stop_reason=None if watch is None else watch.matched)
             if include_usage:
                 yield stream.sse(stream.usage_chunk(head, "chat.completion.chunk" if kind == "chat" else "text_completion",
                                                     len(prompt), len(out.output_ids), out.cached_tokens))

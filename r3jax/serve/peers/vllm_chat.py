@@ -14,7 +14,7 @@ Tools: ``tools`` (and assistant messages' ``tool_calls``, tool messages' ``tool_
 template that reads them (a tokenizer with ``supports_tools``; otherwise a 400 naming the field). With
 a tool-call parser (``serve --tool-call-parser hermes``: :mod:`r3jax.serve.peers.tool_calls`) the
 reply's calls fill ``message.tool_calls`` and ``finish_reason`` is ``"tool_calls"``. ``stream: true``:
-:mod:`r3jax.serve.streaming`. Not served yet: stop strings.
+:mod:`r3jax.serve.streaming`; stop strings: :class:`r3jax.serve.peers.stream.StopWatch`.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def render_chat(outs: list[GenerateOutput], request: GenerateRequest, *, texts: 
         content, calls = tool_calls.parse_hermes(text) if tool_call_parser == "hermes" else (text, [])
         choices.append({"index": i, "message": {"role": "assistant", "content": content, "tool_calls": calls},
                         "logprobs": logprobs, "finish_reason": "tool_calls" if calls else out.finish_reason,
-                        "stop_reason": ids[-1] if out.finish_reason == "stop" else None,
+                        "stop_reason": ids[-1] if out.finish_reason == "stop" else None,  # a stop string: the caller's
                         "token_ids": ids if return_token_ids else None, "routed_experts": routes})
     g = sum(len(o.output_ids) for o in outs)
     usage = {"prompt_tokens": p, "total_tokens": p + g, "completion_tokens": g,

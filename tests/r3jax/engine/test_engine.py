@@ -164,3 +164,17 @@ def test_on_token_sees_every_token_in_order_before_the_answer(engine):
 
     out = engine.submit(quiet, on_token=boom).result(timeout=120)
     assert len(out.output_ids) == 6 and stops == [None] * 6  # no logprob asked for: None
+
+
+def test_on_token_answering_true_stops_the_request_there(engine):
+    req = GenerateRequest(prompt_ids=_prompt(72, 7), max_tokens=30, temperature=0.0, return_routed_experts=True)
+    [full] = engine.generate([req])
+    seen = []
+
+    def third(t, lp):
+        seen.append(t)
+        return len(seen) == 3
+
+    out = engine.submit(req, on_token=third).result(timeout=120)
+    assert out.output_ids == full.output_ids[:3] and out.finish_reason == "stop" and seen == out.output_ids
+    np.testing.assert_array_equal(out.routed_experts, full.routed_experts[:7 + 3 - 1])

@@ -319,7 +319,10 @@ BAD = [  # (path, body, status, the field the peer's error names)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": 1}, 400, "stream"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True, "n": 2}, 400, "n"),
     ("/v1/completions", {"prompt": [1], "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": ["\n"]}, 400, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": [""]}, 400, "stop[0]"),
+    ("/v1/completions", {"prompt": [1], "stop": 5}, 400, "stop"),
+    ("/v1/completions", {"prompt": [1], "stop": ["a"] * 17}, 400, "stop"),
+    ("/skyrl/v1/generate", {"token_ids": [1], "sampling_params": {"stop": ["a"]}}, 400, "sampling_params.stop"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 200}, 400,
      "max_tokens"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
@@ -682,6 +685,32 @@ def test_text_stream_never_splits_a_utf8_character():
     assert deltas[1] == "" and deltas[2] == "ü"  # 0xC3 alone is held back until 0xBC completes it
 
 
+def test_a_streamed_reply_with_stop_strings_joins_to_the_cut_text_over_random_bytes():
+    """Random bytes (invalid UTF-8 included), a stop string taken from the decoded text: the stream's
+    deltas, limited by the stop string's start as soon as it is known, join to the cut text."""
+    from r3jax.serve.peers.stream import StopWatch, TextStream
+
+    tok, rng = ByteTokenizer(), np.random.default_rng(0)
+    checked = 0
+    for _ in range(1500):
+        ids = rng.integers(0, 256, 12).tolist()
+        text = tok.decode(ids)
+        if len(text) < 6:
+            continue
+        watch = StopWatch([text[4:6]], tok.decode)
+        stream = TextStream(tok.decode, hold=watch.hold)
+        deltas = []
+        for t in ids:
+            stop = watch(t)
+            deltas.append(stream.push([t], watch.cut))
+            if stop:
+                break
+        deltas.append(stream.flush(watch.cut))
+        assert "".join(deltas) == watch.text(tok.decode(watch.ids)), ids
+        checked += 1
+    assert checked > 1000
+
+
 def _events(lines):
     out = []
     for line in lines:
@@ -748,3 +777,31 @@ def test_a_dropped_stream_frees_its_request(served):
     while time.time() < deadline and not (engine.stats["live_slots"] == 0 and engine.stats["cancelled"] > before):
         time.sleep(0.05)
     assert engine.stats["live_slots"] == 0 and engine.stats["cancelled"] == before + 1
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stop_string_ends_the_reply_streamed_or_not(served, path):
+    """vLLM's stop strings: the request stops at the token that completes one; the text ends before
+    it, finish_reason "stop", stop_reason the string; token ids and route rows are the unstopped run's
+    prefix; a stream (the string spans tokens, so chunks) joins to the same cut text."""
+    engine, url = served
+    chat = path.endswith("chat/completions")
+    ask = {"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": FIRST}
+    body = {**ask, "max_tokens": 24, "temperature": 0.0, "return_token_ids": True, "return_routed_experts": True}
+    read = (lambda c: c["message"]["content"]) if chat else (lambda c: c["text"])
+    full = httpx.post(url + path, json=body, timeout=120).json()["choices"][0]
+    text = read(full)
+    stop = text[4:6]  # two bytes of the tiny model's greedy reply: two tokens
+    assert len(stop) == 2 and text.index(stop) == 4, text
+    cut = httpx.post(url + path, json={**body, "stop": ["never-said", stop]}, timeout=120).json()["choices"][0]
+    assert read(cut) == text[:4] and cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
+    g = len(cut["token_ids"])
+    assert cut["token_ids"] == full["token_ids"][:g] and ByteTokenizer().decode(cut["token_ids"]).endswith(stop)
+    routes = lambda c: np.load(io.BytesIO(base64.b64decode(c["routed_experts"])))
+    np.testing.assert_array_equal(routes(cut), routes(full)[:len(routes(cut))])
+    assert len(routes(full)) - len(routes(cut)) == len(full["token_ids"]) - g
+    with httpx.stream("POST", url + path, json={**body, "stop": stop, "stream": True}, timeout=120) as r:
+        choices = [e["choices"][0] for e in _events([line for line in r.iter_lines() if line])]
+    joined = "".join(c["delta"].get("content", "") if chat else c["text"] for c in choices)
+    assert joined == text[:4] and choices[-1]["finish_reason"] == "stop" and choices[-1]["stop_reason"] == stop
+    assert sum((c["token_ids"] or [] for c in choices), []) == cut["token_ids"]
