@@ -753,7 +753,7 @@ def test_a_stream_joins_to_the_answer_it_streams(served, path):
         assert lps == want["logprobs"]["token_logprobs"]
 
 
-def test_openai_client_streams_chat(served):
+def test_openai_client_streams_chat_and_completions(served):
     openai = pytest.importorskip("openai")
     engine, url = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -763,6 +763,15 @@ def test_openai_client_streams_chat(served):
                                                 stream=True))
     assert "".join(p.choices[0].delta.content or "" for p in parts) == whole.choices[0].message.content
     assert parts[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    # completions: text, token ids and the last chunk's routes join to the non-streamed answer
+    extra = {"return_token_ids": True, "return_routed_experts": True}
+    whole = client.completions.create(model="tiny", prompt=FIRST, max_tokens=6, temperature=0.0, extra_body=extra)
+    parts = list(client.completions.create(model="tiny", prompt=FIRST, max_tokens=6, temperature=0.0, stream=True,
+                                           extra_body=extra))
+    want = whole.choices[0]
+    assert "".join(p.choices[0].text for p in parts) == want.text
+    assert sum((p.choices[0].model_extra["token_ids"] or [] for p in parts), []) == want.model_extra["token_ids"]
+    assert parts[-1].choices[0].model_extra["routed_experts"] == want.model_extra["routed_experts"]
 
 
 def test_a_dropped_stream_frees_its_request(served):
