@@ -2,7 +2,8 @@
 
 When a mesh is in context (``jax.set_mesh(mesh)`` outside ``jax.jit``, or
 ``jax.sharding.use_abstract_mesh(mesh.abstract_mesh)`` inside it, as ``r3jax.train`` does) whose
-axes of size > 1 are among the trainer's ``(data, fsdp, expert)``, :func:`experts` runs the expert
+axes of size > 1 are among the trainer's ``(data, fsdp, expert)`` or the engine's ``(data, tensor,
+expert)`` (where ``tensor`` plays fsdp's part: it splits each expert's I), :func:`experts` runs the expert
 kernel per device instead of leaving the layer to XLA's partitioner (which, for the dropless
 ``ragged`` kernel, made every device redo the global token sort and most of the expert work):
 
@@ -48,7 +49,7 @@ from models.axes import BATCH_AXES  # tokens are split over all of these (in mes
 EXPERT_AXIS, HIDDEN_AXIS = axes.RULES["experts"][0]  # experts [E, ...] split here (and over fsdp too, or I)
 
 
-def expert_weight_spec(name: str, shape, sizes) -> tuple:
+def expert_weight_spec(name: str, shape, sizes, role: str = "train") -> tuple:
     """Spec entries of the trailing three dims of an expert weight: gate/up ``[E, D, I]``, down
     ``[E, I, D]`` (leading dims, e.g. a stacked layer dim, are the caller's).
 
@@ -57,10 +58,11 @@ def expert_weight_spec(name: str, shape, sizes) -> tuple:
     device); otherwise E on ``expert`` and I on ``fsdp``, each only where the axis size is > 1 and
     divides the dim. A layout only: whether leaving an axis unused is allowed is decided where the
     weights are placed (:func:`r3jax.train.partition.param_spec`).
-    name: "gate_proj" | "up_proj" | "down_proj"; shape: the full shape; sizes: {axis: size}.
+    name: "gate_proj" | "up_proj" | "down_proj"; shape: the full shape; sizes: {axis: size}; role:
+    "train", or "serve" (the engine's placement: E on ``expert``, I on ``tensor``).
     """
     logical = axes.EXPERT_OUT if name == "down_proj" else axes.EXPERT_IN
-    return axes.resolve(logical, tuple(shape[-3:]), dict(sizes), "train").spec
+    return axes.resolve(logical, tuple(shape[-3:]), dict(sizes), role).spec
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -76,6 +78,7 @@ class Plan:
     batch: tuple[str, ...]
     expert: tuple[str, ...]
     hidden: tuple[str, ...]
+    role: str = "train"
 
     @property
     def exchange(self) -> tuple[str, ...]:
@@ -84,15 +87,20 @@ class Plan:
 
 def plan(num_tokens: int, num_experts: int, intermediate: int) -> Plan | None:
     """The :class:`Plan` for the ambient mesh, or None (no mesh, one device, an axis outside
-    :data:`BATCH_AXES` with size > 1, an axis that is not ``Auto`` (e.g. already manual inside a
-    caller's shard_map), or ``num_tokens`` not divisible by the device count)."""
+    :data:`BATCH_AXES` (and, on the engine's mesh, ``tensor``) with size > 1, an axis that is not
+    ``Auto`` (e.g. already manual inside a caller's shard_map), or ``num_tokens`` not divisible by
+    the device count). On the engine's ``(data, tensor, expert)`` mesh the plan follows the engine's
+    placement: experts over ``expert``, their I over ``tensor``, tokens over all three."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or any(t != AxisType.Auto for t in mesh.axis_types):
         return None
     sizes = dict(mesh.shape)
-    if math.prod(sizes.values()) == 1 or any(n > 1 for a, n in sizes.items() if a not in BATCH_AXES):
+    # the engine's (data, tensor, expert) mesh: tokens over every axis, I over tensor (as fsdp in training)
+    role = "serve" if "tensor" in sizes else "train"
+    token_axes = BATCH_AXES + (("tensor",) if role == "serve" else ())
+    if math.prod(sizes.values()) == 1 or any(n > 1 for a, n in sizes.items() if a not in token_axes):
         return None
-    batch = tuple(a for a in mesh.axis_names if a in BATCH_AXES)
+    batch = tuple(a for a in mesh.axis_names if a in token_axes)
     n = math.prod(sizes[a] for a in batch)
     if num_tokens % n:
         from models.attention import warn_fallback
@@ -101,8 +109,8 @@ def plan(num_tokens: int, num_experts: int, intermediate: int) -> Plan | None:
                       f"expert parallelism off for this call: {num_tokens} tokens do not divide over the {n} devices "
                       f"of {'x'.join(batch)}; XLA partitions the expert kernel instead")
         return None
-    spec = expert_weight_spec("gate_proj", (num_experts, 1, intermediate), sizes)
-    return Plan(mesh, batch, _axes(spec[0]), _axes(spec[2]))
+    spec = expert_weight_spec("gate_proj", (num_experts, 1, intermediate), sizes, role)
+    return Plan(mesh, batch, _axes(spec[0]), _axes(spec[2]), role)
 
 
 def experts(kernel, x, ids, weights, gate, up, down, *, exchange_tokens: int | None = None):
@@ -115,7 +123,7 @@ def experts(kernel, x, ids, weights, gate, up, down, *, exchange_tokens: int | N
         return kernel(x, ids, weights, gate, up, down)
     tok = P(p.batch, None)
     # each weight's spec from its own shape: down's I is its dim 1, and may divide where D does not
-    wspec = lambda name, w: P(*expert_weight_spec(name, w.shape, dict(p.mesh.shape)))
+    wspec = lambda name, w: P(*expert_weight_spec(name, w.shape, dict(p.mesh.shape), p.role))
     body = lambda *a: _local(kernel, p, *a, exchange_tokens=exchange_tokens)
     return jax.shard_map(body, mesh=p.mesh, in_specs=(tok, tok, tok, wspec("gate_proj", gate),
                                                       wspec("up_proj", up), wspec("down_proj", down)),

@@ -13,7 +13,7 @@ Endpoints::
     GET  /v1/stats      request counters, requests per recent session_id, route transfer costs
                         (``routes``: gather_s, encode_s, rows, bytes, responses; gather_s: the engine's
                         seconds copying route rows out of its steps' outputs), the device mesh
-                        (``mesh``: data, tensor, expert, devices) and the engine's stats
+                        (``mesh``: data, tensor, expert, devices, expert_parallel) and the engine's stats
     GET  /openapi.json  the schema (no auth)
 
 The peers' forms on the same engine (:mod:`r3jax.serve.peer_app`): SkyRL ``POST /skyrl/v1/generate``
@@ -175,13 +175,29 @@ def model_info(engine) -> dict:
 
 
 def mesh_info(engine) -> dict:
-    """The engine's device mesh: ``{"data", "tensor", "expert", "devices"}`` (all 1 on one device);
-    empty for an engine without a placement (a stand-in)."""
+    """The engine's device mesh: ``{"data", "tensor", "expert", "devices", "expert_parallel"}`` (sizes all
+    1 on one device); empty for an engine without a placement (a stand-in). ``expert_parallel``: how
+    the MoE layers split (``tokens_over``, ``experts_over``, ``hidden_over`` mesh axes) in a step whose
+    token count is a multiple of ``tokens_multiple`` (other steps leave the layer to XLA's partitioner),
+    or None (one device)."""
     placement = getattr(engine, "placement", None)
     if placement is None:
         return {}
     sizes = {axis: int(placement.size(axis)) for axis in ("data", "tensor", "expert")}
-    return {**sizes, "devices": sizes["data"] * sizes["tensor"] * sizes["expert"]}
+    devices = sizes["data"] * sizes["tensor"] * sizes["expert"]
+    ep = None
+    if placement.mesh is not None and devices > 1:
+        import jax
+
+        from models import expert_parallel
+
+        cfg = engine.config
+        with jax.sharding.use_abstract_mesh(placement.mesh.abstract_mesh):
+            p = expert_parallel.plan(devices, cfg.num_experts, cfg.moe_intermediate_size)
+        if p is not None:
+            ep = {"tokens_over": list(p.batch), "experts_over": list(p.expert), "hidden_over": list(p.hidden),
+                  "tokens_multiple": devices}
+    return {**sizes, "devices": devices, "expert_parallel": ep}
 
 
 def _jsonable(obj: Any) -> Any:

@@ -138,9 +138,12 @@ def test_plan_needs_a_trainer_mesh_and_divisible_shapes():
     with jax.set_mesh(make_mesh(1, 2, 4)):
         assert expert_parallel.plan(64, 6, 33).exchange == ()  # neither E=6 nor I=33 divides
         assert expert_parallel.plan(64, 6, 32).exchange == ("fsdp",)  # I over fsdp only
-    other = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    with jax.set_mesh(other):
-        assert expert_parallel.plan(64, 8, 32) is None  # a tensor axis: left to the partitioner
+    auto2 = (jax.sharding.AxisType.Auto,) * 2
+    with jax.set_mesh(jax.make_mesh((2, 4), ("data", "tensor"), axis_types=auto2)):  # a serving mesh
+        p = expert_parallel.plan(64, 8, 32)
+        assert (p.batch, p.expert, p.hidden, p.role) == (("data", "tensor"), (), ("tensor",), "serve")
+    with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"), axis_types=auto2)):
+        assert expert_parallel.plan(64, 8, 32) is None  # an axis of neither role: left to the partitioner
     with jax.set_mesh(make_mesh(2, 1, 4, axis_type=jax.sharding.AxisType.Explicit)):
         assert expert_parallel.plan(64, 8, 32) is None  # Explicit axes: not the trainer's meshes
 
@@ -192,3 +195,26 @@ def test_chunked_exchange_equals_one_exchange_forward_and_gradient():
     gathered = lambda hlo: {int(m) for line in hlo.splitlines() if "all_gather" in line
                             for m in re.findall(r"-> tensor<(\d+)x16xf32>", line)}
     assert gathered(whole_hlo) == {64} and gathered(chunked_hlo) == {16}
+
+
+def test_the_engines_mesh_splits_experts_over_expert_and_their_hidden_dim_over_tensor():
+    """The serving mesh (data, tensor, expert) = (2, 2, 2): tokens over all 8 devices, E=4 over expert,
+    each expert's I over tensor, as the engine places the weights; equal to the kernel on one device."""
+    from r3jax.engine.sharding import make_mesh as engine_mesh
+
+    n, d, i, e, k = 64, 16, 8, 4, 2
+    x, ids, w, gate, up, down = _layer_inputs(n, d, i, e, k, seed=7)
+    fn = jax.jit(lambda *a: expert_parallel.experts(moe.experts_ragged, *a))
+    want = fn(x, ids, w, gate, up, down)
+    mesh = engine_mesh(2, 2, 2)
+    with jax.set_mesh(mesh):
+        p = expert_parallel.plan(n, e, i)
+        assert (p.batch, p.expert, p.hidden, p.role) == (("data", "tensor", "expert"), ("expert",), ("tensor",), "serve")
+        assert expert_parallel.expert_weight_spec("down_proj", down.shape, mesh.shape, "serve") == ("expert", "tensor", None)
+        wsh = lambda name, a: NamedSharding(mesh, P(*expert_parallel.expert_weight_spec(name, a.shape, mesh.shape, "serve")))
+        tok = NamedSharding(mesh, P(p.batch))
+        args = jax.device_put((x, ids, w, gate, up, down), (tok, tok, tok, wsh("gate_proj", gate), wsh("up_proj", up),
+                                                             wsh("down_proj", down)))
+        assert "shard_map" in str(jax.make_jaxpr(fn)(*args))
+        got = fn(*args)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

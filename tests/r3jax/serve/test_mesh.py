@@ -72,9 +72,12 @@ def test_mesh_server_answers_like_one_device(servers, binary):
 def test_stats_report_the_mesh(servers):
     one_url, mesh_url, engine = servers
     assert httpx.get(one_url + "/v1/stats", timeout=30).json()["mesh"] == \
-        {"data": 1, "tensor": 1, "expert": 1, "devices": 1}
+        {"data": 1, "tensor": 1, "expert": 1, "devices": 1, "expert_parallel": None}
+    # tensor > 1 too: experts over expert, each one's hidden dim over tensor, tokens over every axis
     assert httpx.get(mesh_url + "/v1/stats", timeout=30).json()["mesh"] == \
-        {"data": 1, "tensor": 2, "expert": 4, "devices": 8}
+        {"data": 1, "tensor": 2, "expert": 4, "devices": 8, "expert_parallel": {
+            "tokens_over": ["data", "tensor", "expert"], "experts_over": ["expert"], "hidden_over": ["tensor"],
+            "tokens_multiple": 8}}
     # really split: an expert weight's shards hold 2 of the 8 experts and half of each hidden dim
     moe = engine._params["moe_layers"]["mlp"]["gate_proj"][...]  # [L, E, D, I]
     assert moe.addressable_shards[0].data.shape == (moe.shape[0], 2, moe.shape[2], moe.shape[3] // 2)
