@@ -38,10 +38,7 @@ async def stream_answer(ctx: ServeContext, req, *, kind: str, request_id: str, m
         return stop
 
     ctx.count_session(req.session_id)
-    try:
-        task = asyncio.ensure_future(ctx.bridge.submit(req, on_token=on_token))
-    except FieldError as e:
-        return on_error(e)
+    task = asyncio.ensure_future(ctx.bridge.submit(req, on_token=on_token))  # its refusals surface below
     first = asyncio.ensure_future(events.get())
     await asyncio.wait({task, first}, return_when=asyncio.FIRST_COMPLETED)
     if task.done() and not first.done():
