@@ -107,6 +107,25 @@ class TokenMetadataTrace:
         object.__setattr__(out, "_num_rows", self.num_rows + expected_rows)
         return out
 
+    def truncate(self, rows: int) -> "TokenMetadataTrace":
+        """A new trace of the first ``rows`` rows (0 <= rows <= num_rows); whole chunks are kept by
+        pointer, the chunk the cut falls in is sliced."""
+        rows = check_int("rows", rows)
+        if rows > self.num_rows:
+            raise ValueError(f"rows={rows}: expected <= num_rows={self.num_rows}")
+        kept, n = [], 0
+        for c in self.chunks:
+            if n >= rows:
+                break
+            take = min(int(c.shape[0]), rows - n)
+            kept.append(c if take == c.shape[0] else c[:take])
+            n += take
+        if not kept and self.chunks:  # keep the schema (trailing shape, dtype) with a 0-row chunk
+            kept = [self.chunks[0][:0]]
+        out = self.replace(chunks=tuple(kept))
+        object.__setattr__(out, "_num_rows", rows)
+        return out
+
     def finalize(self) -> np.ndarray | jax.Array:
         """All rows ``[num_rows, *trailing]`` in the widened dtype, concatenated once.
 
@@ -183,6 +202,12 @@ class RoutedExpertTrace:
             raise ValueError(f"routes has {routes.shape[0]} rows: expected prompt_len - prompt_start "
                              f"+ generated_len - 1 = {p} - {s} + {g} - 1 = {want}")
         return self.replace(moe_layer_ids=ids, rows=self.rows.append(routes, want, name="routes"))
+
+    def truncate(self, rows: int) -> "RoutedExpertTrace":
+        """A new trace keeping the rows of tokens ``[0, rows)``: the conversation was re-rendered and
+        differs from token ``rows`` on, so the next call asks for rows from there
+        (``routed_experts_prompt_start = rows``)."""
+        return self.replace(rows=self.rows.truncate(rows))
 
     def finalize(self, *, token_count: int, loss_mask: Any) -> tuple[np.ndarray, np.ndarray]:
         """Host-side: ``(routes [N, L, K], captured [N] bool)`` for a trajectory of N tokens.

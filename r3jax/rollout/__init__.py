@@ -4,10 +4,12 @@
 against the in-process ``Engine`` or the ``RemoteInferenceClient``; built-in toy environments and
 tokenizers; a deterministic :class:`FakeGenerator` for tests. One concept per module: ``episode``
 (one trajectory in flight), ``batched`` / ``concurrent`` / ``demonstrations`` (the three drivers),
-``sampling``, ``model_info``, ``agent_loop`` (settings and driver choice).
+``sampling``, ``model_info``, ``chat`` (trajectories through an OpenAI chat endpoint), ``agent_loop``
+(settings and driver choice).
 """
 
 from r3jax.rollout.agent_loop import AgentLoop
+from r3jax.rollout.chat import ChatEnv, ChatEpisode
 from r3jax.rollout.env import Env, FullPrompt, PrefixMismatchError, check_prefix
 from r3jax.rollout.envs import ENVS, ArithmeticEnv, ArithmeticState, GuessNumberEnv, GuessState, make_env
 from r3jax.rollout.episode import Episode, MissingRoutesError
@@ -17,7 +19,8 @@ from r3jax.rollout.sampling import SamplingParams
 from r3jax.rollout.tokenizer import ByteTokenizer, ChatTokenizer, HFChatTokenizer
 from r3jax.rollout.trajectory import Trajectory, TurnStats
 
-__all__ = ["AgentLoop", "ArithmeticEnv", "ArithmeticState", "ByteTokenizer", "ChatTokenizer", "ENVS",
+__all__ = ["AgentLoop", "ArithmeticEnv", "ArithmeticState", "ByteTokenizer", "ChatEnv", "ChatEpisode",
+           "ChatTokenizer", "ENVS",
            "Env", "Episode", "FakeGenerator", "FullPrompt", "GuessNumberEnv", "GuessState", "HFChatTokenizer",
            "MissingRoutesError", "PrefixMismatchError", "SamplingParams", "Trajectory", "TurnStats",
            "check_prefix", "describe", "make_env", "positional_routes"]

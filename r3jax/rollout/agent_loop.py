@@ -6,7 +6,8 @@ trace, the environment); :mod:`~r3jax.rollout.batched` drives episodes against t
 engine (the turns of all live trajectories in one batch per round); :mod:`~r3jax.rollout.concurrent`
 drives them against ``RemoteInferenceClient.agenerate`` (each trajectory an asyncio task, at most
 ``max_concurrency`` requests in flight; the server batches them); :mod:`~r3jax.rollout.demonstrations`
-plays the environment's oracle for supervised warm-up data.
+plays the environment's oracle for supervised warm-up data; with ``chat=True``, :mod:`~r3jax.rollout.chat`
+drives :class:`~r3jax.rollout.chat.ChatEnv` environments through the server's ``/v1/chat/completions``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 from typing import Any, Callable, Sequence
 
 from r3jax.rollout.batched import drive_batched, generate_in_chunks
+from r3jax.rollout.chat import ON_PREFIX_BREAK, ChatEpisode, drive_chat
 from r3jax.rollout.concurrent import drive_concurrently
 from r3jax.rollout.demonstrations import oracle_generate
 from r3jax.rollout.env import Env
@@ -35,13 +37,19 @@ class AgentLoop:
     generator's). ``seed`` fixes env seeds and per-request sampling seeds, so a run is reproducible
     whatever the batching. ``return_routed_experts=False`` samples without routes (captured all
     False).
+
+    ``chat=True``: ``env_factory()`` gives :class:`~r3jax.rollout.chat.ChatEnv` environments (messages
+    in, messages out) and each turn goes through the server's ``/v1/chat/completions`` (the generator
+    must be a ``RemoteInferenceClient``). The server renders the conversation; a rendering that
+    rewrites earlier tokens gets their rows again (``on_prefix_break="resend"``, noted in
+    ``TurnStats.rerendered_from``) or raises ``PrefixMismatchError`` (``"raise"``).
     """
 
     def __init__(self, generator: Any, env_factory: Callable[[], Env], *, max_turns: int,
                  max_seq_len: int, sampling: SamplingParams | dict | None = None,
                  full_regather: bool = False, return_routed_experts: bool = True,
                  max_concurrency: int = 64, mode: str = "auto", seed: int = 0,
-                 session_prefix: str = "r3"):
+                 session_prefix: str = "r3", chat: bool = False, on_prefix_break: str = "resend"):
         for name, v in (("max_turns", max_turns), ("max_seq_len", max_seq_len),
                         ("max_concurrency", max_concurrency)):
             if isinstance(v, bool) or not isinstance(v, int) or v < (2 if name == "max_seq_len" else 1):
@@ -50,6 +58,14 @@ class AgentLoop:
             raise ValueError(f"mode={mode!r}: expected 'auto', 'batched' or 'async'")
         if mode == "async" and not hasattr(generator, "agenerate"):
             raise ValueError(f"mode='async': generator {type(generator).__name__} has no agenerate")
+        if on_prefix_break not in ON_PREFIX_BREAK:
+            raise ValueError(f"on_prefix_break={on_prefix_break!r}: expected one of {ON_PREFIX_BREAK}")
+        if chat and not (hasattr(generator, "achat") and hasattr(generator, "atokenize_chat")):
+            raise ValueError(f"chat=True: generator {type(generator).__name__} has no achat / atokenize_chat "
+                             "(use a RemoteInferenceClient of a server with a chat template)")
+        if chat and mode == "batched":
+            raise ValueError("chat=True drives each trajectory as its own task: mode must be 'auto' or 'async'")
+        self.chat, self.on_prefix_break = bool(chat), on_prefix_break
         self.generator, self.env_factory = generator, env_factory
         self.max_turns, self.max_seq_len = max_turns, max_seq_len
         if isinstance(sampling, dict):
@@ -84,7 +100,8 @@ class AgentLoop:
         self._next_group += n_prompts
         seeds = env_seeds if env_seeds is not None else [request_seed(self.seed, 1 << 30, g) for g in groups]
         self.info  # fetch (and check) before building environments
-        return [Episode(self, g, s, int(es), with_routes) for g, es in zip(groups, seeds)
+        kind = ChatEpisode if self.chat else Episode
+        return [kind(self, g, s, int(es), with_routes) for g, es in zip(groups, seeds)
                 for s in range(samples_per_prompt)]
 
     def run(self, n_prompts: int, samples_per_prompt: int = 1, *,
@@ -109,13 +126,18 @@ class AgentLoop:
         if self._info is None:
             self._info = await asyncio.to_thread(lambda: self.info)
         episodes = self._episodes(n_prompts, samples_per_prompt, env_seeds, self.return_routed_experts)
-        await drive_concurrently(episodes, self.generator.agenerate, self.max_concurrency)
+        if self.chat:
+            await drive_chat(episodes, self.generator, self.max_concurrency)
+        else:
+            await drive_concurrently(episodes, self.generator.agenerate, self.max_concurrency)
         return [e.result() for e in episodes]
 
     def demonstrations(self, n_prompts: int, *, env_seeds: Sequence[int] | None = None) -> list[Trajectory]:
         """Oracle trajectories for a supervised warm-up: each turn's action is the environment's
         ``reference_action()`` (cut at ``max_tokens``), in the same token format as :meth:`run`.
         ``loss_mask`` is 1 on the oracle's tokens; logprobs are 0 and no routes are captured."""
+        if self.chat:
+            raise ValueError("demonstrations: not for chat=True (the oracle speaks tokens)")
         episodes = self._episodes(n_prompts, 1, env_seeds, with_routes=False)
         drive_batched(episodes, oracle_generate)
         return [e.result() for e in episodes]

@@ -21,7 +21,11 @@ class TurnStats:
     rows received and their raw size (``rows * L * K * itemsize``); ``prompt_tokens``: tokens sent;
     ``cached_tokens``: of those, served from the generator's prefix cache (None: not reported); ``generated_tokens``;
     ``observation_tokens``: appended after this turn (0 on the last); ``synthetic_eos``: an EOS
-    was appended (loss-masked) because the turn hit ``max_tokens``.
+    was appended (loss-masked) because the turn hit ``max_tokens``. ``rerendered_from``: chat turns
+    only, the token d at which the server's rendering of the conversation first differed from the tokens
+    already in the trajectory (a template that is not prefix-stable): those tokens were replaced and
+    the rows from ``min(d, rows held)`` asked for again (``routes_start``); None when the rendering
+    kept every earlier token.
     """
 
     routes_start: int
@@ -35,6 +39,7 @@ class TurnStats:
     weight_version: int
     reward: float
     synthetic_eos: bool
+    rerendered_from: int | None = None
 
 
 @dataclasses.dataclass
@@ -125,3 +130,8 @@ class Trajectory:
     def starts(self) -> list[int]:
         """The ``routed_experts_prompt_start`` sent on each turn."""
         return [t.routes_start for t in self.turns]
+
+    @property
+    def rerendered_turns(self) -> int:
+        """Chat turns whose rendered conversation differed from the tokens already recorded."""
+        return sum(t.rerendered_from is not None for t in self.turns)

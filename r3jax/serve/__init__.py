@@ -7,7 +7,7 @@ Imports are lazy so the client works without FastAPI/uvicorn installed.
 
 from __future__ import annotations
 
-__all__ = ["BINARY_MEDIA_TYPE", "ProtocolError", "RemoteError", "RemoteInferenceClient", "RemoteInputError",
+__all__ = ["BINARY_MEDIA_TYPE", "ChatOutput", "ChatRequest", "ProtocolError", "RemoteError", "RemoteInferenceClient", "RemoteInputError",
            "create_app"]
 
 
@@ -15,7 +15,7 @@ def __getattr__(name):
     if name == "create_app":
         from r3jax.serve.app import create_app
         return create_app
-    if name in ("RemoteInferenceClient", "RemoteError", "RemoteInputError"):
+    if name in ("RemoteInferenceClient", "RemoteError", "RemoteInputError", "ChatRequest", "ChatOutput"):
         from r3jax.serve import client
         return getattr(client, name)
     if name in ("BINARY_MEDIA_TYPE", "ProtocolError"):

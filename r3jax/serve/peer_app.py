@@ -258,13 +258,14 @@ def add_peer_endpoints(app: FastAPI, ctx: ServeContext, *, vocab_size: int, max_
 
     # ---- tokenizer and session endpoints (vLLM's forms, as SkyRL's client calls them) ---------------
     @app.post("/tokenize", openapi_extra=peer_openapi.tokenize_body(), tags=["SkyRL / vLLM"],
-              summary="vLLM /tokenize: text -> token ids (needs the server's tokenizer)")
+              summary="vLLM /tokenize: text or chat messages -> token ids (needs the server's tokenizer)")
     async def tokenize(request: Request):
         try:
             body = _vllm_body(await request.body(), served_model)
-            if body.get("messages") is not None:
-                raise FieldError("messages", "[...]", "a 'prompt' string (r3jax renders no chat template here)")
-            ids = encode_text("prompt", body.get("prompt"))
+            if body.get("messages") is not None:  # vLLM's chat form: the ids /v1/chat/completions would prompt with
+                ids = vllm_chat.chat_prompt(body, tokenizer, vocab_size)
+            else:
+                ids = encode_text("prompt", body.get("prompt"))
         except FieldError as e:
             return _error("vllm", e)
         return _json_response({"count": len(ids), "max_model_len": max_seq_len, "tokens": ids, "token_strs": None})

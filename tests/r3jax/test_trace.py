@@ -182,3 +182,26 @@ def test_record_refuses_bool_routes_and_k_zero():
         t0.record(prompt_len=3, generated_len=2, routes=np.zeros((4, L, 0), np.uint8))
     with pytest.raises(ValueError, match="routes dtype=bool"):  # also under jit (shapes/dtypes only)
         jax.jit(lambda r: t0.record(prompt_len=3, generated_len=2, routes=r))(jnp.ones((4, L, K), bool))
+
+
+def test_truncate_keeps_the_first_rows_and_the_schema():
+    rng = np.random.default_rng(0)
+    chunks = [rng.integers(0, 8, (n, 2, 2), dtype=np.uint8) for n in (5, 3, 4)]
+    trace = RoutedExpertTrace((1, 2))
+    for p, g, c in zip((5, 7, 10), (1, 2, 3), chunks):  # rows 5, 3, 4 of calls P - s + G - 1
+        trace = trace.record(prompt_len=p, generated_len=g, routes=c)
+    every = np.concatenate(chunks)
+    for rows in range(0, 13):
+        cut = trace.truncate(rows)
+        assert cut.prompt_start == rows
+        np.testing.assert_array_equal(cut.rows.finalize(), every[:rows])
+        assert cut.rows.trailing_shape == (2, 2) and cut.moe_layer_ids == (1, 2)
+    assert trace.prompt_start == 12  # unchanged
+    # the cut trace records on from there: rows [7, 7 + 4) of a 10-token prompt and 2 generated
+    more = rng.integers(0, 8, (4, 2, 2), dtype=np.uint8)
+    again = trace.truncate(7).record(prompt_len=10, generated_len=2, routes=more)
+    np.testing.assert_array_equal(again.rows.finalize(), np.concatenate([every[:7], more]))
+    with pytest.raises(ValueError, match="rows=13: expected <= num_rows=12"):
+        trace.truncate(13)
+    with pytest.raises(ValueError, match="rows"):
+        trace.truncate(-1)

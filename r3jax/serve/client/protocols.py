@@ -26,6 +26,7 @@ import json
 import struct
 
 from r3jax.serve import protocol
+from r3jax.serve.client import chat
 from r3jax.serve.peers import common, sglang, skyrl, vllm
 from r3jax.serve.protocol import ProtocolError, ServedModel
 
@@ -171,6 +172,40 @@ class SGLang(_Peer):
         return sglang.generate_body(request)
 
     parse = staticmethod(sglang.parse_generate_response)
+
+
+class VLLMChat(_Peer):
+    """OpenAI chat (``/v1/chat/completions``) for :class:`~r3jax.serve.client.chat.ChatRequest`, whatever
+    the client's dialect: an r3jax server and a vLLM server answer it alike."""
+
+    name = "vllm-chat"
+
+    def path(self, request) -> str:
+        return "/v1/chat/completions"
+
+    def body(self, request) -> dict:
+        return chat.chat_body(request, model=self.model)
+
+    parse = staticmethod(chat.parse_chat_response)
+
+
+class ChatTokenize(_Peer):
+    """vLLM's chat ``POST /tokenize``: the ids ``/v1/chat/completions`` would prompt with (a list)."""
+
+    name = "tokenize"
+
+    def path(self, request) -> str:
+        return "/tokenize"
+
+    def body(self, request) -> dict:
+        return chat.tokenize_body(request.messages, request.tools, self.model)
+
+    def decode(self, content: bytes, media_type: str, request, info: ServedModel, where: str, headers=None):
+        return chat.parse_tokenize_response(content, info.vocab_size, where)
+
+    @staticmethod
+    def route_bytes(content: bytes, media_type: str) -> int:
+        return 0
 
 
 PROTOCOLS = {"r3jax": R3jax, "skyrl": SkyRL, "vllm": VLLM, "sglang": SGLang}

@@ -68,6 +68,7 @@ class RemoteInferenceClient:
         if not urls or not all(isinstance(u, str) and u.startswith(("http://", "https://")) for u in urls):
             raise ValueError(f"urls={urls!r}: expected one or more http(s):// URLs")
         self._proto = protocols.make(protocol, binary_routes=binary_routes, model=model)
+        self._proto_model = model
         self.protocol = self._proto.name
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency!r}: expected an int >= 1")
@@ -159,32 +160,33 @@ class RemoteInferenceClient:
                                  "'moe_layer_ids'}") from None
         return replica.info
 
-    async def _attempt(self, request, body: bytes):
+    async def _attempt(self, request, body: bytes, proto=None):
+        proto = self._proto if proto is None else proto
         replica = await self.replicas.pick(request.session_id)
         replica.sent += 1
         self._stats.add(attempts=1)
         async with self._on(replica):
             info = await self._info(replica)
             async with self._pools.current().client() as client:
-                r = await client.post(replica.url + self._proto.path(request), content=body,
-                                      headers=self._proto.headers(request))
+                r = await client.post(replica.url + proto.path(request), content=body, headers=proto.headers(request))
             raise_for(r, replica.url)
         media_type = r.headers.get("content-type", "")
         t0 = time.perf_counter()
-        out = self._proto.decode(r.content, media_type, request, info, replica.url, r.headers)
-        rows = 0 if out.routed_experts is None else int(out.routed_experts.shape[0])
+        out = proto.decode(r.content, media_type, request, info, replica.url, r.headers)
+        routes = getattr(out, "routed_experts", None)
+        rows = 0 if routes is None else int(routes.shape[0])
         self._stats.add(responses=1, decode_s=time.perf_counter() - t0, body_bytes=len(r.content),
-                        route_bytes=self._proto.route_bytes(r.content, media_type), route_rows=rows)
+                        route_bytes=proto.route_bytes(r.content, media_type), route_rows=rows)
         return out
 
     def _count_retry(self, error: Retryable, wait: float) -> None:
         self._stats.add(retries=1, retry_wait_s=wait)
 
-    async def _one(self, request, body: bytes):
+    async def _one(self, request, body: bytes, proto=None):
         async with self._pools.current().sem:
             t0 = time.perf_counter()
             try:
-                out = await call_with_retries(lambda: self._attempt(request, body), self.retry,
+                out = await call_with_retries(lambda: self._attempt(request, body, proto), self.retry,
                                               clock=self._clock, sleep=self._sleep, on_retry=self._count_retry,
                                               warming=self.replicas.warming)
             except BaseException:
@@ -217,6 +219,47 @@ class RemoteInferenceClient:
     def generate(self, requests: Sequence) -> list:
         """Synchronous :meth:`agenerate` (same signature and result as ``Engine.generate``)."""
         return self._runner.run(self.agenerate(requests))
+
+    async def achat(self, requests: Sequence) -> list:
+        """``POST /v1/chat/completions`` for each :class:`~r3jax.serve.client.chat.ChatRequest`, in order:
+        :class:`~r3jax.serve.client.chat.ChatOutput` (the rendered ``prompt_ids``, tokens, logprobs, the
+        route rows ``[s, P + G - 1)`` of the rendered prompt, the assistant message). Retries, replicas
+        and failure handling as :meth:`agenerate`."""
+        from r3jax.serve.client.chat import ChatRequest
+
+        if isinstance(requests, ChatRequest) or not isinstance(requests, Sequence):
+            raise ValueError(f"requests={type(requests).__name__}: expected a list of ChatRequest")
+        for i, req in enumerate(requests):
+            if not isinstance(req, ChatRequest):
+                raise ValueError(f"requests[{i}]={type(req).__name__}: expected a ChatRequest")
+        proto = protocols.VLLMChat(model=self._proto_model)
+        bodies = [proto.encode(r) for r in requests]
+        tasks = []
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self._one(r, b, proto)) for r, b in zip(requests, bodies)]
+        except BaseExceptionGroup as eg:
+            raise eg.exceptions[0] from None
+        return [t.result() for t in tasks]
+
+    def chat(self, requests: Sequence) -> list:
+        """Synchronous :meth:`achat`."""
+        return self._runner.run(self.achat(requests))
+
+    async def atokenize_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None, *,
+                             session_id: str | None = None) -> list[int]:
+        """vLLM's chat ``POST /tokenize``: the prompt ids the server's chat template makes of ``messages``
+        (with the generation prompt), i.e. what ``/v1/chat/completions`` would prompt with."""
+        from r3jax.serve.client.chat import ChatRequest
+
+        request = ChatRequest(messages=messages, tools=tools, session_id=session_id)
+        proto = protocols.ChatTokenize(model=self._proto_model)
+        return await self._one(request, proto.encode(request), proto)
+
+    def tokenize_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None, *,
+                      session_id: str | None = None) -> list[int]:
+        """Synchronous :meth:`atokenize_chat`."""
+        return self._runner.run(self.atokenize_chat(messages, tools, session_id=session_id))
 
     async def amodel_info(self) -> dict:
         """``GET /v1/model`` of a live replica (or the ``model_info`` given to the client)."""

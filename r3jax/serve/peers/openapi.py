@@ -99,8 +99,9 @@ def sglang_body() -> dict:
 
 
 def tokenize_body() -> dict:
-    return _body(_object(("model", "prompt", "add_special_tokens"), required=("prompt",),
-                         doc="vLLM /tokenize. Answer: {count, max_model_len, tokens, token_strs}"))
+    return _body(_object(("model", "prompt", "messages", "tools", "add_generation_prompt", "add_special_tokens"),
+                         doc="vLLM /tokenize: a text 'prompt', or chat 'messages' (and 'tools') rendered as "
+                             "/v1/chat/completions renders them. Answer: {count, max_model_len, tokens, token_strs}"))
 
 
 def detokenize_body() -> dict:

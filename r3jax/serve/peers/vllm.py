@@ -305,14 +305,14 @@ def parse_completion_response(content: bytes | str | Mapping, request: GenerateR
                                     "--enable-return-routed-experts?)")
             routes = common.route_rows(decode_routes(choice["routed_experts"], num_experts), request, len(ids),
                                        num_experts=num_experts, num_layers=num_layers, top_k=top_k, where=where)
-        cached = _cached_tokens(obj.get("usage"), where)
+        cached = cached_tokens(obj.get("usage"), where)
     return GenerateOutput(output_ids=ids, logprobs=lps, finish_reason=common.finish(choice.get("finish_reason"), where),
                           routed_experts=routes, prompt_tokens=len(request.prompt_ids), cached_tokens=cached,
                           weight_version=common.UNKNOWN_VERSION,
                           routed_experts_start=int(request.routed_experts_prompt_start))
 
 
-def _cached_tokens(usage: Any, where: str) -> int | None:
+def cached_tokens(usage: Any, where: str) -> int | None:
     """``usage.prompt_tokens_details.cached_tokens``. vLLM sends ``prompt_tokens_details: null`` unless
     started with ``--enable-prompt-tokens-details``: then the count is unknown (None,
     not 0: nothing says no prompt token was cached). A details object must hold an int >= 0."""

@@ -77,19 +77,12 @@ def messages_text(value: Any) -> list[dict]:
     return out
 
 
-def parse_chat(body: Any, *, served_model: str, tokenizer: Any, return_routed_experts_default: bool = False,
-               session_id: str | None = None, vocab_size: int | None = None,
-               max_seq_len: int | None = None) -> tuple[GenerateRequest, int]:
-    """A chat body → ``(GenerateRequest of the rendered prompt ids, n)``; FieldError naming the field."""
-    body = common.mapping("body", body)
-    common.refuse_unknown(body, (*CHAT_READ, *CHAT_DEFAULTS, *vllm.SAMPLING_FREE, *vllm.SAMPLING_DEFAULTS))
+def chat_prompt(body: Mapping[str, Any], tokenizer: Any, vocab_size: int | None) -> list[int]:
+    """The prompt ids the chat tokenizer renders of ``body``'s ``messages`` (and ``tools``), with the
+    generation prompt: what ``/v1/chat/completions`` generates from and ``/tokenize`` returns."""
     tools = body.get("tools") or None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)):
         raise FieldError("tools", tools, "a list of tool objects")
-    common.only_defaults(body, {k: v for k, v in CHAT_DEFAULTS.items() if k != "tools"})
-    model = body.get("model")
-    if model is not None and model != served_model:
-        raise FieldError("model", model, f"the served model {served_model!r}")
     messages = messages_text(body.get("messages"))
     if body.get("add_generation_prompt") not in (None, True):
         raise FieldError("add_generation_prompt", body["add_generation_prompt"], "true (the reply is generated)")
@@ -106,7 +99,20 @@ def parse_chat(body: Any, *, served_model: str, tokenizer: Any, return_routed_ex
                                    else tokenizer.chat_ids(messages))]
     except ValueError as e:  # the template refused the conversation
         raise FieldError("messages", f"{len(messages)} messages", f"a conversation the chat template renders ({e})")
-    prompt = common.token_ids("messages", prompt, vocab_size)
+    return common.token_ids("messages", prompt, vocab_size)
+
+
+def parse_chat(body: Any, *, served_model: str, tokenizer: Any, return_routed_experts_default: bool = False,
+               session_id: str | None = None, vocab_size: int | None = None,
+               max_seq_len: int | None = None) -> tuple[GenerateRequest, int]:
+    """A chat body → ``(GenerateRequest of the rendered prompt ids, n)``; FieldError naming the field."""
+    body = common.mapping("body", body)
+    common.refuse_unknown(body, (*CHAT_READ, *CHAT_DEFAULTS, *vllm.SAMPLING_FREE, *vllm.SAMPLING_DEFAULTS))
+    common.only_defaults(body, {k: v for k, v in CHAT_DEFAULTS.items() if k != "tools"})
+    model = body.get("model")
+    if model is not None and model != served_model:
+        raise FieldError("model", model, f"the served model {served_model!r}")
+    prompt = chat_prompt(body, tokenizer, vocab_size)
     sampling = {k: v for k, v in body.items() if k in (*vllm.SAMPLING_READ, *vllm.SAMPLING_FREE, *vllm.SAMPLING_DEFAULTS)
                 and k not in ("n", "logprobs", "max_tokens")}
     mct, mt = body.get("max_completion_tokens"), body.get("max_tokens")

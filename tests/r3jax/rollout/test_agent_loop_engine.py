@@ -116,3 +116,122 @@ def test_http_client_incremental_equals_full_regather_and_engine(server, engine_
         np.testing.assert_array_equal(a.tokens, e.tokens)
         np.testing.assert_array_equal(a.routes, e.routes)
         assert a.starts == e.starts and a.route_bytes == e.route_bytes
+
+
+# ---- chat: the server renders the conversation ---------------------------------------------------
+
+class IdChat:
+    """A test chat tokenizer whose text round-trips every id (id i is the character U+E000 + i; plain
+    Latin-1 text encodes to its bytes), so a reply's ``content`` re-encodes to the ids the model sampled:
+    the template below is prefix-stable. ``drop_history``: earlier assistant replies render empty (as
+    Qwen3's template drops earlier reasoning): not prefix-stable."""
+
+    BOS, END, ROLES = 256, 257, {"system": 258, "user": 259, "assistant": 260, "tool": 261}
+    vocab_size = 272
+
+    def __init__(self, drop_history: bool = False):
+        self.drop_history = drop_history
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - 0xE000 if 0xE000 <= ord(c) < 0xE000 + self.vocab_size else ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(0xE000 + int(i)) for i in ids if not (skip_special_tokens and int(i) == self.END))
+
+    def chat_ids(self, messages) -> list[int]:
+        ids = [self.BOS]
+        for m in messages:
+            text = "" if self.drop_history and m["role"] == "assistant" else m["content"]
+            ids += [self.ROLES[m["role"]]] + self.encode(text) + [self.END]
+        return ids + [self.ROLES["assistant"]]
+
+
+class CountingChat:
+    """Three user turns; the reward counts the reply's characters (any reply is fine here)."""
+
+    stop_token_ids = (IdChat.END,)
+
+    def reset(self, seed):
+        self.turn = 0
+        return [{"role": "system", "content": "count"}, {"role": "user", "content": f"q{seed}"}]
+
+    def step(self, message):
+        assert message["role"] == "assistant" and isinstance(message["content"], str)
+        self.turn += 1
+        return [{"role": "user", "content": f"t{self.turn}"}], len(message["content"]) / 10, self.turn >= 3
+
+
+@pytest.fixture(scope="module")
+def chat_server(engine, serve_helpers):
+    """``chat_server(tokenizer)``: a server of the module's engine rendering chats with ``tokenizer``."""
+    from r3jax.serve import create_app
+
+    return lambda tokenizer: serve_helpers.thread_server(create_app(engine, warmup=False, tokenizer=tokenizer,
+                                                                    served_model_name="tiny"))
+
+
+def _chat_runs(url, **kw):
+    from r3jax.serve.client import RemoteInferenceClient
+
+    def loop(client, **more):
+        return AgentLoop(client, CountingChat, max_turns=3, max_seq_len=MAX_SEQ, seed=5, chat=True,
+                         sampling={"max_tokens": 5, "temperature": 1.0}, max_concurrency=4, **more, **kw)
+
+    with RemoteInferenceClient(url) as client:
+        with loop(client) as inc_loop:
+            inc = inc_loop.run(2, 2, env_seeds=[1, 2])
+        with loop(client, full_regather=True) as full_loop:
+            full = full_loop.run(2, 2, env_seeds=[1, 2])
+    return inc, full
+
+
+def _check_chat(inc, full, model):
+    assert len(inc) == len(full) == 4
+    for a, b, fwd in zip(inc, full, _forward_routes(model, inc)):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
+        np.testing.assert_array_equal(a.routes, b.routes)
+        np.testing.assert_array_equal(a.captured, b.captured)
+        np.testing.assert_allclose(a.rollout_logprobs, b.rollout_logprobs, atol=1e-5)
+        assert a.captured.sum() == a.num_tokens - 1  # the last token's row is never computed
+        np.testing.assert_array_equal(a.routes[a.captured], fwd[a.captured])  # every row where its token is
+        assert b.starts == [0] * b.num_turns and a.num_turns == 3
+
+
+def test_chat_loop_through_a_prefix_stable_template(chat_server, model):
+    """A template that keeps earlier tokens: each turn asks only for new rows, every row crosses the wire
+    once, and the trajectory equals a full re-gather and one full forward."""
+    with chat_server(IdChat()) as srv:
+        inc, full = _chat_runs(srv.url)
+    _check_chat(inc, full, model)
+    for a in inc:
+        assert a.rerendered_turns == 0
+        assert a.starts == [0] + [t.prompt_tokens + t.generated_tokens - 1 for t in a.turns[:-1]]
+        assert a.route_rows == a.num_tokens - 1
+        first = IdChat().chat_ids([{"role": "system", "content": "count"},
+                                   {"role": "user", "content": f"q{a.env_seed}"}])
+        assert list(a.prompt_ids) == first and a.loss_mask[:len(first)].sum() == 0
+
+
+def test_chat_loop_detects_a_template_that_is_not_prefix_stable(chat_server, model):
+    """A template that rewrites earlier replies: the turn after a reply finds the rendering changed at
+    that reply's first token, drops what follows and asks for its rows again; nothing is misaligned
+    (the rows equal a full forward of the final tokens); ``on_prefix_break="raise"`` raises."""
+    from r3jax.rollout import PrefixMismatchError
+
+    with chat_server(IdChat(drop_history=True)) as srv:
+        inc, full = _chat_runs(srv.url)
+        with pytest.raises(PrefixMismatchError, match="prefix invariant broken at token"):
+            _chat_runs(srv.url, on_prefix_break="raise")
+    _check_chat(inc, full, model)
+    broken = 0
+    for a in inc:
+        for prev, t in zip(a.turns, a.turns[1:]):
+            empty = prev.generated_tokens == 1 and prev.finish_reason == "stop"  # only the END token
+            want = None if empty else prev.prompt_tokens  # the reply's first token is the first rewritten
+            assert t.rerendered_from == want
+            if want is not None:
+                assert t.routes_start == want and t.route_rows == t.prompt_tokens - want + t.generated_tokens - 1
+                broken += 1
+        assert a.route_rows >= a.num_tokens - 1
+    assert broken >= 4  # rows were re-sent in most turns (random replies are rarely empty)

@@ -443,6 +443,20 @@ def test_tokenizer_endpoints_and_their_absence(serve_helpers):
         r = httpx.post(srv.url + "/tokenize", json={"model": "m", "prompt": "Hi!"})
         assert r.json() == {"count": 3, "max_model_len": 64, "tokens": [72, 105, 33], "token_strs": None}
         assert httpx.post(srv.url + "/detokenize", json={"model": "m", "tokens": [72, 105]}).json() == {"prompt": "Hi"}
+        # vLLM's chat form: the ids /v1/chat/completions prompts with
+        chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+        ids = ByteTokenizer().chat_ids([{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hi"}])
+        r = httpx.post(srv.url + "/tokenize", json={"model": "m", "messages": chat, "add_generation_prompt": True})
+        assert r.json() == {"count": len(ids), "max_model_len": 64, "tokens": ids, "token_strs": None}
+        done = httpx.post(srv.url + "/v1/chat/completions", json={"messages": chat, "max_tokens": 1,
+                                                                   "return_token_ids": True}).json()
+        assert done["prompt_token_ids"] == ids
+        for body, field in (({"messages": []}, "messages"), ({"messages": [{"role": "bot", "content": "x"}]},
+                                                             "messages[0].role"),
+                            ({"messages": chat, "tools": [{"type": "function"}]}, "tools"),
+                            ({"messages": chat, "add_generation_prompt": False}, "add_generation_prompt")):
+            r = httpx.post(srv.url + "/tokenize", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
         r = httpx.post(srv.url + "/finish_session", params={"session_id": "nobody"})
         assert r.status_code == 200 and r.json()["known"] is False
     with serve_helpers.thread_server(create_app(engine)) as srv:

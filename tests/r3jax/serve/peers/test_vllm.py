@@ -209,3 +209,40 @@ def test_cached_tokens_are_never_read_as_zero():
         with pytest.raises(ProtocolError, match="cached_tokens") as err:
             read({"prompt_tokens_details": details})
         assert err.value.field == "cached_tokens"
+
+
+def test_chat_answer_read_by_the_client_against_the_rendered_prompt():
+    """The client's chat codec: the body asks for token ids and the rows from s; the answer's rows are
+    counted against its prompt_token_ids (P - s + G - 1); a tool-call finish is a stop; an answer without
+    prompt_token_ids, or with a row too many, is a ProtocolError naming what is wrong."""
+    from r3jax.serve.client.chat import ChatRequest, chat_body, parse_chat_response
+    from r3jax.serve.peers import vllm_chat
+
+    req = ChatRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=4, seed=3, stop_token_ids=(9,),
+                      return_routed_experts=True, routed_experts_prompt_start=5, session_id="s")
+    body = chat_body(req, model=None)
+    assert body["return_token_ids"] is True and body["routed_experts_prompt_start"] == 5 and "model" not in body
+    assert body["logprobs"] is True and body["seed"] == 3 and body["stop_token_ids"] == [9]
+    prompt = list(range(1, 9))  # P = 8: rows [5, 8 + 3 - 1) = 5 rows
+    routes = np.arange(5 * L * K).reshape(5, L, K) % E
+    served = GenerateRequest(prompt_ids=prompt, max_tokens=4, return_routed_experts=True,
+                             routed_experts_prompt_start=5)
+    out = GenerateOutput(output_ids=[4, 5, 9], logprobs=[-0.5, -1.0, -0.25], finish_reason="stop",
+                         routed_experts=routes.astype(np.uint8), prompt_tokens=8, cached_tokens=0, weight_version=0,
+                         routed_experts_start=5)
+    answer = vllm_chat.render_chat([out], served, texts=["<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>"],
+                                   model="m", request_id="r", created=0, num_experts=E, return_token_ids=True,
+                                   tool_call_parser="hermes")
+    got = parse_chat_response(json.dumps(answer), req, num_experts=E, num_layers=L, top_k=K, vocab_size=100)
+    assert got.prompt_ids == prompt and got.output_ids == [4, 5, 9] and got.logprobs == [-0.5, -1.0, -0.25]
+    np.testing.assert_array_equal(got.routed_experts, routes)
+    assert got.finish_reason == "stop" and got.routed_experts_start == 5 and got.prompt_tokens == 8
+    assert got.message["tool_calls"][0]["function"]["name"] == "f"
+    bad = dict(answer, prompt_token_ids=None)
+    with pytest.raises(ProtocolError, match="prompt_token_ids"):
+        parse_chat_response(json.dumps(bad), req, num_experts=E, num_layers=L, top_k=K)
+    short = dict(answer, prompt_token_ids=prompt[:7])  # one prompt token fewer: 4 rows expected, 5 sent
+    with pytest.raises(ProtocolError, match="expected P - s \\+ G - 1 = 7 - 5 \\+ 3 - 1 = 4"):
+        parse_chat_response(json.dumps(short), req, num_experts=E, num_layers=L, top_k=K)
+    with pytest.raises(ValueError, match="messages"):
+        ChatRequest(messages=[])
