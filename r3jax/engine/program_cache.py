@@ -12,7 +12,10 @@ cache keys a program by what determines it instead, and loads the serialized exe
 - the source of the code that traces it: every file of :mod:`models` and :mod:`r3jax.engine`, and
   the module defining the model's class.
 
-A key that misses loads nothing: the program is compiled as usual (and stored). A file that cannot be
+A key that misses loads nothing: the program is compiled and stored, unless JAX's persistent cache
+answered that compile (:func:`watch_cache_hits`): on XLA:CPU an executable JAX loaded from its own cache
+serializes without its compiled functions, and a later process that loads it fails at its first run
+("Function ... not found"). Such a program comes from JAX's cache on the next start too. A file that cannot be
 read back (truncated, another JAX) is compiled over. Entries are written to a temporary name and
 renamed, so a reader never sees half of one. Loading an entry runs code from it, as JAX's own cache
 does: keep the directory as private as the code itself.
@@ -20,6 +23,7 @@ does: keep the directory as private as the code itself.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -27,13 +31,41 @@ import logging
 import os
 import pickle
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 import jax
 
 log = logging.getLogger("r3jax.engine")
-VERSION = 1  # of the entry format and the key
+VERSION = 2  # of the entry format and the key (2: no entry from JAX's cache; 1 may hold broken ones)
+
+
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_watch = threading.local()
+_listening = threading.Lock()
+_listener = None
+
+
+def _on_event(event: str, **_) -> None:
+    if event == _CACHE_HIT and getattr(_watch, "on", False):
+        _watch.hit = True
+
+
+@contextlib.contextmanager
+def watch_cache_hits():
+    """Yields a callable answering whether a compile in the block (this thread) was a hit of JAX's
+    persistent compilation cache (``jax.monitoring``'s cache-hit event)."""
+    global _listener
+    with _listening:
+        if _listener is None:
+            jax.monitoring.register_event_listener(_on_event)
+            _listener = _on_event
+    _watch.on, _watch.hit = True, False
+    try:
+        yield lambda: _watch.hit
+    finally:
+        _watch.on = False
 
 
 @functools.lru_cache(maxsize=None)

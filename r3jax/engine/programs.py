@@ -14,6 +14,8 @@ from typing import Any, Callable, Hashable
 
 import jax
 
+from r3jax.engine.program_cache import watch_cache_hits
+
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
@@ -75,8 +77,9 @@ class Programs:
                     exe = None if self._disk is None else self._disk.load(name, bucket_key, args)
                     if exe is None:
                         fn, kw = build()
-                        exe = jax.jit(fn, **kw).lower(*args).compile()
-                        if self._disk is not None:
+                        with watch_cache_hits() as from_jax_cache:
+                            exe = jax.jit(fn, **kw).lower(*args).compile()
+                        if self._disk is not None and not from_jax_cache():  # see program_cache: not storable
                             self._disk.save(name, bucket_key, args, exe)
                     entry = _SHARED[shared] = [exe, 0]
                     self.compiles += 1

@@ -130,7 +130,7 @@ from r3jax.engine import Engine, GenerateRequest
 model = MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0))
 req = GenerateRequest(prompt_ids=list(range(1, 12)), max_tokens=9, temperature=0.0, return_routed_experts=True)
 out = []
-for program_cache in (sys.argv[1], sys.argv[1], None):  # each engine builds its programs again (the last freed them)
+for program_cache in [None if a == "-" else a for a in sys.argv[1:]]:  # each engine builds its programs again
     eng = Engine(model, max_seq_len=32, max_batch_size=2, decode_buckets=1, prefill_rows=1, prefix_cache_bytes=0,
                  moe_impl="dense", program_cache=program_cache)
     w = eng.warmup()
@@ -144,19 +144,31 @@ print(json.dumps(out))
 def test_warmup_says_which_programs_came_from_a_cache_and_loaded_ones_run_the_same(tmp_path):
     """A fresh process on empty caches: the first engine compiles its 2 programs (and stores them), a
     second one with the same program cache loads both without tracing, a third without it gets both
-    from JAX's persistent cache; all three decode the same tokens and route rows."""
+    from JAX's persistent cache. A second process with a new program cache (its key missed: another
+    r3jax version) gets its programs from JAX's cache and stores none of them (such an executable used to
+    be stored without its compiled functions and fail at its first run in a third process); the third
+    process runs. Every engine decodes the same tokens and route rows."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": os.environ["R3JAX_TEST_XLA_FLAGS"],
            "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-    p = subprocess.run([sys.executable, "-c", _STARTS, str(tmp_path / "programs")], env=env,
-                       cwd=Path(__file__).resolve().parents[3], capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    first, again, jax_cache = json.loads(p.stdout.strip().splitlines()[-1])
+
+    def starts(*caches):
+        p = subprocess.run([sys.executable, "-c", _STARTS, *caches], env=env,
+                           cwd=Path(__file__).resolve().parents[3], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    first, again, jax_cache = starts(str(tmp_path / "programs"), str(tmp_path / "programs"), "-")
     assert [(w["programs"], w["new"], w["compiled"], w["loaded"]) for w in (first, again, jax_cache)] == \
         [(2, 2, 2, 0), (2, 2, 0, 2), (2, 2, 0, 2)]
     assert len(list((tmp_path / "programs").glob("*.bin"))) == 2
-    assert first["tokens"] == again["tokens"] == jax_cache["tokens"] and len(first["tokens"]) == 9
-    assert first["routes"] == again["routes"] == jax_cache["routes"]
+    [stored] = starts(str(tmp_path / "other"))
+    [loaded] = starts(str(tmp_path / "other"))
+    assert (stored["compiled"], stored["loaded"], loaded["compiled"], loaded["loaded"]) == (0, 2, 0, 2)
+    assert not list((tmp_path / "other").glob("*.bin"))
+    for w in (again, jax_cache, stored, loaded):
+        assert w["tokens"] == first["tokens"] and w["routes"] == first["routes"]
+    assert len(first["tokens"]) == 9
 
 
 def test_a_program_cache_entry_that_cannot_be_read_is_compiled_over(tmp_path, caplog):
