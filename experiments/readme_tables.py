@@ -115,8 +115,15 @@ STEP_COST = ["config", "tokens", "step_s_live", "step_s_replay", "replay_step_ra
 
 
 def replay_mismatch(d: dict) -> str:
-    return (_t(d["rows"], MISMATCH) + "\n\nTrain step with replay ÷ without (wall time in interleaved pairs, "
-            "and XLA's cost analysis of the two compiled programs):\n\n" + _t(d.get("timing", []), STEP_COST))
+    out = (_t(d["rows"], MISMATCH) + "\n\nTrain step with replay ÷ without (wall time in interleaved pairs, "
+           "and XLA's cost analysis of the two compiled programs):\n\n" + _t(d.get("timing", []), STEP_COST))
+    head = [r for r in d.get("summary", []) if "head_fp32_over_bf16" in r]
+    if head:
+        out += ("\n\nThe LM head in fp32 (the engine's default) against a bf16 head, bf16 rollouts under replay "
+                "(mean |Δ logprob|; same seeds, same_tokens = trajectories both sampled alike):\n\n"
+                + _t(head, ["config", "mean_abs_delta_replay_fp32_head", "mean_abs_delta_replay_bf16_head",
+                            "head_fp32_over_bf16", "same_tokens"]))
+    return out
 
 
 def routers(d: dict) -> str:

@@ -3,7 +3,10 @@
     python -m experiments.replay_mismatch [--quick] [--configs tiny,small_100m]
 
 For each model config (random init, fp32 parameters), the in-process engine samples rollouts
-(temperature 1, routes captured) once in bf16 compute and once in fp32 (the same-dtype control).
+(temperature 1, routes captured) in bf16 compute with the LM head in fp32 (the engine's default,
+``logits_dot_in_fp32``), in bf16 with the head in bf16 too ("bf16 head"), and in fp32 (the same-dtype
+control); the same seeds, so the two bf16 arms mostly sample the same tokens (``same_tokens`` says how
+many) and their mean |Δ| under replay shows what the head's own rounding adds.
 An fp32 trainer then scores the same tokens with ``eval_step`` twice: ``replay="none"`` (live
 routing) and ``replay="rollout"`` (R3). Reported over loss-active tokens (r3jax.metrics): the
 trainer router's own routing disagreement with the rollout (``live_``: what replay overrides; under
@@ -36,6 +39,7 @@ from r3jax.train import LossConfig, eval_step, init_train_state, make_train_step
 
 COLUMNS = ["config", "rollout", "replay", "live_routing_disagreement", "live_token_any_disagreement",
            "mean_abs_delta", "k3_kl", "f2", "fallback_fraction"]
+BF16_HEAD = "bf16, bf16 head"  # the rollout arm whose LM head runs in bf16 too (logits_dot_in_fp32=False)
 
 
 def rollouts(engine: Engine, cfg: MoeConfig, *, n: int, prompt_len: int, max_tokens: int, seed: int):
@@ -94,9 +98,14 @@ def measure(name: str, cfg: MoeConfig, *, n: int, prompt_len: int, max_tokens: i
     state = init_train_state(model, optax.adam(1e-4))
     seq_len = 1 << (prompt_len + max_tokens - 1).bit_length()
     rows, batches = [], {}
-    for label, dtype in (("bf16", jnp.bfloat16), ("fp32", None)):
-        engine = Engine(model, max_seq_len=seq_len, max_batch_size=n, dtype=dtype, prefix_cache_bytes=0)
+    tokens = {}
+    for label, dtype, head32 in (("bf16", jnp.bfloat16, True), (BF16_HEAD, jnp.bfloat16, False),
+                                 ("fp32", None, True)):
+        engine = Engine(model, max_seq_len=seq_len, max_batch_size=n, dtype=dtype, prefix_cache_bytes=0,
+                        logits_dot_in_fp32=head32)
         trajs = rollouts(engine, cfg, n=n, prompt_len=prompt_len, max_tokens=max_tokens, seed=seed)
+        engine.close()
+        tokens[label] = [t["tokens"] for t in trajs]
         batches[label] = collate(trajs, seq_len=seq_len, num_experts=cfg.num_experts, top_k=cfg.top_k,
                                  num_layers=cfg.num_moe_layers)
         for replay in ("none", "rollout"):
@@ -106,6 +115,10 @@ def measure(name: str, cfg: MoeConfig, *, n: int, prompt_len: int, max_tokens: i
                          "live_routing_disagreement_per_layer":
                              np.asarray(m["live_routing_disagreement_per_layer"]).tolist()})
             print(table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+    same = [np.array_equal(a, b) for a, b in zip(tokens["bf16"], tokens[BF16_HEAD])]
+    for r in rows:
+        if r["rollout"] in ("bf16", BF16_HEAD):
+            r["same_tokens"] = float(np.mean(same))  # trajectories the two bf16 arms sampled alike
     timing = {"config": name, "tokens": int(np.asarray(batches["bf16"].attention_mask).sum()),
               **step_time_ratio(model, batches["bf16"], reps=reps)}
     return rows, timing
@@ -135,7 +148,7 @@ def plot(rows: list[dict], path) -> None:
         if key in ("k3_kl", "mean_abs_delta"):
             ax.set_yscale("log")
     axes[0].legend(fontsize=8)
-    fig.suptitle("fp32 trainer vs engine rollouts (bf16, and fp32 control)")
+    fig.suptitle("fp32 trainer vs engine rollouts (bf16 with an fp32 or a bf16 head, and fp32 control)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -169,7 +182,13 @@ def main():
                         "k3_kl_none": get("bf16", "none", "k3_kl"), "k3_kl_replay": get("bf16", "rollout", "k3_kl"),
                         "k3_reduction": get("bf16", "none", "k3_kl") / max(get("bf16", "rollout", "k3_kl"), 1e-30),
                         "live_disagreement_none": get("bf16", "none", "live_routing_disagreement"),
-                        "live_disagreement_replay": get("bf16", "rollout", "live_routing_disagreement")})
+                        "live_disagreement_replay": get("bf16", "rollout", "live_routing_disagreement"),
+                        # what the head's bf16 rounding adds to the logprob mismatch left under replay
+                        "mean_abs_delta_replay_fp32_head": get("bf16", "rollout", "mean_abs_delta"),
+                        "mean_abs_delta_replay_bf16_head": get(BF16_HEAD, "rollout", "mean_abs_delta"),
+                        "head_fp32_over_bf16": get("bf16", "rollout", "mean_abs_delta")
+                        / max(get(BF16_HEAD, "rollout", "mean_abs_delta"), 1e-30),
+                        "same_tokens": get("bf16", "rollout", "same_tokens")})
     print()
     print(table(summary, list(summary[0])))
     path = write_json("replay_mismatch", {"args": vars(args), "plan": plan, "rows": rows, "timing": timings,

@@ -83,6 +83,10 @@ class MoeConfig:
     tie_embeddings: bool = False
     dtype: Any = jnp.float32  # compute dtype
     param_dtype: Any = jnp.float32
+    # the LM head's matmul in fp32 (inputs cast up, fp32 accumulation and output) whatever ``dtype`` is, as
+    # MaxText's logits_dot_in_fp32: bf16 rollouts then add no rounding of their own in the head, whose
+    # logprobs are what replay and importance ratios compare (the engine turns it on by default)
+    logits_dot_in_fp32: bool = False
     # "ragged" (dropless grouped matmul), "dense" (one-hot reference) or "loop" (per-expert loop that
     # skips unchosen experts: decode on CPU)
     moe_impl: str = "ragged"
@@ -131,6 +135,7 @@ class MoeConfig:
              "an int >= 1"),
             ("moe_impl", self.moe_impl in MOE_IMPLS, "one of " + ", ".join(map(repr, MOE_IMPLS))),
             ("scan_layers", isinstance(self.scan_layers, bool), "a bool"),
+            ("logits_dot_in_fp32", isinstance(self.logits_dot_in_fp32, bool), "a bool"),
             ("scan_min_layers", isinstance(self.scan_min_layers, int) and not isinstance(self.scan_min_layers, bool)
              and self.scan_min_layers >= 1, "an int >= 1"),
             ("remat", self.remat in REMAT_MODES, "one of " + ", ".join(map(repr, REMAT_MODES))),

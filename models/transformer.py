@@ -115,7 +115,9 @@ class MoeTransformer(nnx.Module):
         return ModelOutput(self.logits(x), routes, live_routes, aux_loss, new_cache, expert_load)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """The LM head (the embedding's transpose when ``tie_embeddings``): hidden [..., D] -> [..., V] f32."""
+        """The LM head (the embedding's transpose when ``tie_embeddings``): hidden [..., D] -> [..., V] f32,
+        computed in ``dtype`` or, with ``logits_dot_in_fp32``, in fp32."""
         cfg = self.config
         head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-        return (hidden.astype(cfg.dtype) @ head.astype(cfg.dtype)).astype(jnp.float32)
+        dt = jnp.float32 if cfg.logits_dot_in_fp32 else cfg.dtype
+        return (hidden.astype(dt) @ head.astype(dt)).astype(jnp.float32)

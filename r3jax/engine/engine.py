@@ -75,6 +75,9 @@ class Engine:
         meanwhile waits for the call to end; calls with prefill rows decode one step.
       dtype: compute dtype override (e.g. bf16 rollouts of an fp32 model); None keeps the model's.
       moe_impl: expert kernel; None picks "gather" on CPU and keeps the model's elsewhere.
+      logits_dot_in_fp32: the LM head in fp32 (``MoeConfig.logits_dot_in_fp32``) whatever the compute dtype,
+        so a bf16 rollout's logprobs carry no bf16 rounding of the head's own; None (default): on for a
+        ``MoeTransformer`` (the model itself is not changed), the model's setting for any other model.
       router_noise: std of simulated selection noise on the router logits (``MoeConfig.router_noise``,
         a mismatch knob for experiments); None keeps the model's. The model itself is not changed.
       max_stop_tokens: most stop token ids per request.
@@ -91,6 +94,7 @@ class Engine:
                  prefix_cache_bytes: int = 64 << 20, block_size: int = 16, prefill_chunk: int = 64,
                  prefill_rows: int | None = None, max_num_batched_tokens: int | None = None, decode_buckets: int = 3,
                  decode_steps: int = 8, dtype=None, moe_impl: str | None = None, router_noise: float | None = None,
+                 logits_dot_in_fp32: bool | None = None,
                  max_stop_tokens: int = 64, mesh=None, static: bool = False,
                  seed: int | None = None, allow_replication: bool = False, program_cache: str | None = None):
         for name, value, lo in [("max_seq_len", max_seq_len, 2), ("max_batch_size", max_batch_size, 1),
@@ -110,8 +114,10 @@ class Engine:
         own = isinstance(model, MoeTransformer)
         if moe_impl is None and own and jax.default_backend() == "cpu":
             moe_impl = CPU_MOE_IMPL
-        overrides = {k: v for k, v in (("dtype", dtype), ("moe_impl", moe_impl), ("router_noise", router_noise))
-                     if v is not None}
+        if logits_dot_in_fp32 is None and own:
+            logits_dot_in_fp32 = True
+        overrides = {k: v for k, v in (("dtype", dtype), ("moe_impl", moe_impl), ("router_noise", router_noise),
+                                       ("logits_dot_in_fp32", logits_dot_in_fp32)) if v is not None}
         overrides = {k: v for k, v in overrides.items() if v != getattr(model.config, k)}
         if overrides and not own:
             name = next(iter(overrides))

@@ -98,6 +98,9 @@ def parse_args(argv: list[str], devices=None) -> argparse.Namespace:
                     help="admit a batch only when every slot is free (the old static batching; for benchmarks)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                     help="param and compute dtype (default: the checkpoint's / preset's)")
+    ap.add_argument("--logits-dot-in-fp32", action=argparse.BooleanOptionalAction, default=True,
+                    help="the LM head in fp32 whatever --dtype (default on: bf16 logprobs without the head's own "
+                         "bf16 rounding); --no-logits-dot-in-fp32 computes it in --dtype")
     ap.add_argument("--served-model-name", default=None,
                     help="the model name vLLM-style endpoints report and accept (default: --model)")
     ap.add_argument("--tokenizer", default="auto",
@@ -186,7 +189,7 @@ def build_engine(args: argparse.Namespace):
                   prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)), block_size=args.block_size,
                   prefill_chunk=args.prefill_chunk, max_num_batched_tokens=args.max_num_batched_tokens,
                   num_pages=args.num_pages, decode_buckets=args.decode_buckets, decode_steps=args.decode_steps,
-                  mesh=build_mesh(args.mesh_shape), static=args.static,
+                  mesh=build_mesh(args.mesh_shape), static=args.static, logits_dot_in_fp32=args.logits_dot_in_fp32,
                   program_cache=None if args.compilation_cache is None else os.path.join(args.compilation_cache,
                                                                                            "r3jax-programs"))
 

@@ -288,3 +288,23 @@ def test_kv_cache_incremental_equals_full_forward_for_mla_and_partial_rope(varia
     logits = jnp.concatenate([first.logits, last.logits], axis=1)
     np.testing.assert_allclose(logits, full.logits, atol=1e-5)
     np.testing.assert_array_equal(jnp.concatenate([first.routes, last.routes], axis=1), full.routes)
+
+
+def test_logits_dot_in_fp32_runs_the_head_in_fp32_for_a_bf16_model():
+    """``logits_dot_in_fp32``: the head's matmul takes fp32 operands (the bf16 hidden state and weights cast
+    up exactly) and accumulates in fp32; off, it runs in bf16 and only its result is cast. The two differ."""
+    cfg = MoeConfig.tiny(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    model = MoeTransformer(cfg, rngs=nnx.Rngs(0))
+    hidden = jax.random.normal(jax.random.key(1), (3, 5, cfg.hidden_size), jnp.bfloat16)
+    head = model.lm_head[...]
+    off = model.logits(hidden)
+    want_off = (hidden @ head).astype(jnp.float32)
+    model.config = cfg.replace(logits_dot_in_fp32=True)
+    on = model.logits(hidden)
+    want_on = hidden.astype(jnp.float32) @ head.astype(jnp.float32)
+    assert off.dtype == on.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(off), np.asarray(want_off))
+    np.testing.assert_allclose(np.asarray(on), np.asarray(want_on), rtol=1e-6, atol=1e-6)
+    assert float(jnp.max(jnp.abs(on - off))) > 1e-3  # bf16 rounding of the head's output, gone
+    with pytest.raises(ValueError, match="logits_dot_in_fp32"):
+        MoeConfig.tiny(logits_dot_in_fp32=1)

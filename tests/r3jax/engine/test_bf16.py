@@ -77,3 +77,18 @@ def test_bit_storage_changes_no_bf16_output(tiny_model, engines, make_engine, mo
         assert g.output_ids == w.output_ids
         np.testing.assert_array_equal(g.routed_experts, w.routed_experts)
         np.testing.assert_array_equal(np.asarray(g.logprobs, np.float32), np.asarray(w.logprobs, np.float32))
+
+
+def test_the_engine_runs_the_head_in_fp32_unless_told_not_to(tiny_model, engines, make_engine):
+    """By default a bf16 engine computes the LM head in fp32 (the model is not changed);
+    ``logits_dot_in_fp32=False`` keeps it in bf16, and the logprobs of the same greedy tokens differ."""
+    on = engines["bfloat16"]
+    assert on.config.logits_dot_in_fp32 and not tiny_model.config.logits_dot_in_fp32
+    off = make_engine(tiny_model, dtype=jnp.bfloat16, logits_dot_in_fp32=False, **{**KW, "num_pages": 33})
+    assert not off.config.logits_dot_in_fp32
+    rng = np.random.default_rng(5)
+    reqs = [GenerateRequest(prompt_ids=rng.integers(0, V, n).tolist(), max_tokens=1, temperature=0.0)
+            for n in (6, 13, 22, 35)]
+    a, b = on.generate(reqs), off.generate(reqs)
+    same = [(x.logprobs[0], y.logprobs[0]) for x, y in zip(a, b) if x.output_ids == y.output_ids]
+    assert same and any(x != y for x, y in same), same

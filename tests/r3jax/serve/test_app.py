@@ -444,6 +444,7 @@ def test_cli_arguments_are_checked(capsys):
     assert (args.model, args.host, args.port, args.max_seq_len) == ("tiny", "127.0.0.1", 0, 256)
     assert (args.compilation_cache, args.static) == ("/tmp/x", True)
     assert parse_args(["--decode-steps", "4"]).decode_steps == 4
+    assert args.logits_dot_in_fp32 is True and parse_args(["--no-logits-dot-in-fp32"]).logits_dot_in_fp32 is False
     # the server's engine defaults (kept apart so --help starts no JAX) are the Engine's
     import inspect
 
