@@ -21,9 +21,10 @@ from typing import Any
 from r3jax.checks import is_int
 from r3jax.serve.schema import InputError
 
-# Fields that do not change the parameters or the forward pass a client sees; and router_noise, the
-# engine-side mismatch knob: the trainer's checkpoint (saved without it) must still load into a noisy engine.
-_FREE_FIELDS = {"dtype", "param_dtype", "moe_impl", "router_aux_loss_coef", "router_noise"}
+# Fields that do not change the parameters or the forward pass a client sees (logits_dot_in_fp32: the
+# engine's own precision choice for its head); and router_noise, the engine-side mismatch knob: the
+# trainer's checkpoint (saved without either) must still load into the engine.
+_FREE_FIELDS = {"dtype", "param_dtype", "moe_impl", "router_aux_loss_coef", "router_noise", "logits_dot_in_fp32"}
 
 
 def is_hf_dir(path: Path) -> bool:
