@@ -37,6 +37,7 @@ from r3jax.routes import route_dtype
 # moe_impl=None on CPU: runs each chosen expert on only the tokens that chose it, the fastest
 # decode kernel measured there (experiments/bench_decode.py); every MoeConfig accepts it
 CPU_MOE_IMPL = "gather"
+WEIGHT_UPDATE_MODES = ("wait", "keep", "abort")  # what set_weights does with running requests (vLLM's pause modes)
 BLOCK_TOKENS = 128  # keys per block of the XLA paged-attention loop (rounded to whole pages)
 
 
@@ -272,17 +273,31 @@ class Engine:
                 f.cancel()
             raise
 
-    def set_weights(self, params_state, abort_in_flight: bool = False) -> int:
+    def set_weights(self, params_state, abort_in_flight: bool = False, *, mode: str | None = None) -> int:
         """Replace the weights and return the new ``weight_version``.
 
         ``params_state``: an ``nnx.State`` shaped like ``nnx.state(model, nnx.Param)``, optionally with
         the model's router biases (:func:`r3jax.params_io.weights_of`), on any devices: each array is
         copied onto this engine's placement (device to device where it already lives on devices).
 
-        Drain (default): stop admitting, let in-flight requests finish on the old weights, swap,
-        resume. ``abort_in_flight=True``: in-flight requests fail with :class:`EngineAborted` (they may
-        be retried) and the swap happens at once. No output ever mixes versions; cached prefixes are
-        dropped (their KV and routes are stale)."""
+        ``mode`` (vLLM's pause modes), for the requests running when the update arrives:
+
+        - ``"wait"`` (default): stop admitting, let them finish on the old weights, swap, resume.
+        - ``"keep"``: swap between two device steps; they go on with the new weights (their KV so far
+          stays), so one output can span versions: ``GenerateOutput.weight_versions`` says which token
+          came from which.
+        - ``"abort"``: each one that has sampled a token returns what it has (tokens, logprobs, route
+          rows ``[s, P + G - 1)``) with ``finish_reason`` "abort", to be resumed by resubmitting prompt +
+          tokens; one that has not is queued again and runs on the new weights. Then swap.
+
+        ``abort_in_flight=True`` (the older form) fails them with :class:`EngineAborted` instead.
+        Prefix pages computed under one version are never reused under another: the index is cleared
+        at the swap and a request whose KV spans a swap indexes none of its pages."""
+        if mode is not None and mode not in WEIGHT_UPDATE_MODES:
+            raise FieldError("mode", mode, f"one of {', '.join(map(repr, WEIGHT_UPDATE_MODES))} or None")
+        if abort_in_flight and mode not in (None, "abort"):
+            raise FieldError("abort_in_flight", True, f"False with mode={mode!r}")
+        mode = "wait" if mode is None else mode
         params, biases = split_weights(params_state) if isinstance(params_state, nnx.State) else (params_state, None)
         _check_like("params_state", params, self._params)
         placed = self.placement.params(params, like=self._params)
@@ -291,14 +306,15 @@ class Engine:
             old_biases, other = nnx.split_state(self._rest, RouterBias, ...)
             _check_like("params_state (router biases)", biases, old_biases)
             rest = nnx.merge_state(self.placement.params(biases, like=old_biases), other)
-        return self._sched.control(functools.partial(self._swap, placed, rest), drain=True, abort=abort_in_flight)
+        return self._sched.control(functools.partial(self._swap, placed, rest), drain=mode == "wait",
+                                   abort="error" if abort_in_flight else ("return" if mode == "abort" else None))
 
     def warmup(self) -> dict:
         """Compile every step program of this configuration; returns ``{"programs", "new", "seconds",
         "loaded", "compiled"}``: programs of the configuration, those new to this engine, the seconds it
         took, and of the programs this engine built (not shared with a live engine of the same
         configuration), how many JAX's persistent compilation cache supplied and how many XLA compiled."""
-        return self._sched.control(self._warmup, drain=False, abort=False)
+        return self._sched.control(self._warmup, drain=False, abort=None)
 
     def close(self) -> None:
         """Stop the scheduler (requests not finished fail with :class:`EngineClosed`) and release this
@@ -336,7 +352,7 @@ class Engine:
         ``cost_analysis()`` and ``memory_analysis()`` show what one call does. Compiled on first use,
         like every program (by the scheduler thread, between steps)."""
         lay = self.layout(self.max_batch_size if decode_rows is None else decode_rows, prefill_rows)
-        return self._sched.control(lambda: self._program(lay, self._abstract_args(lay)), drain=False, abort=False)
+        return self._sched.control(lambda: self._program(lay, self._abstract_args(lay)), drain=False, abort=None)
 
     def steps_of(self, lay: RaggedLayout) -> int:
         """Decode steps one call of ``lay`` runs: ``decode_steps`` for a decode-only layout, else 1."""

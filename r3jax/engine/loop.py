@@ -59,13 +59,14 @@ class Job:
     row: Any = None  # host-side sampling parameters (Engine.prepare), built at admission
     resume: Any = None  # (tokens, logprobs, routes) kept when it was preempted; None before
     on_token: Any = None  # on_token(token, logprob | None) as each token arrives (Engine.submit)
+    versions: list = dataclasses.field(default_factory=list)  # [(first token index, weight version)] spans
 
 
 @dataclasses.dataclass(eq=False)
 class Control:
     fn: Callable[[], Any]
     drain: bool
-    abort: bool
+    abort: str | None  # running requests: "error" fails them, "return" returns what they have; None: untouched
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
 
 
@@ -75,6 +76,7 @@ class _Step:
     rows: list
     outputs: tuple
     steps: int = 1  # > 1: a decode loop (outputs [steps, R, ...])
+    version: int = 0  # the weight version it ran with
 
 
 class Loop(Admission):
@@ -109,7 +111,7 @@ class Loop(Admission):
             self.cond.notify()
         return job.future
 
-    def control(self, fn: Callable[[], Any], *, drain: bool, abort: bool):
+    def control(self, fn: Callable[[], Any], *, drain: bool, abort: str | None):
         """Run ``fn`` on the scheduler thread (after draining or aborting in-flight requests when asked)."""
         if threading.current_thread() is self.thread:
             return fn()
@@ -163,11 +165,14 @@ class Loop(Admission):
 
     def _turn(self) -> None:
         op = self.controls[0] if self.controls else None
-        if op is not None and op.abort:
+        if op is not None and op.abort == "error":
             err = EngineAborted("aborted by a weight update (abort_in_flight=True); retry the request")
             self._fail_live(err, count="aborted")
             self._fail_preempted(err)
             self.inflight.clear()  # their outputs belong to nobody now
+        elif op is not None and op.abort == "return":
+            self._return_live()
+            self.inflight.clear()  # tokens still on the device are not part of what was returned
         if op is not None and (not op.drain or not (self.seqs or self.inflight or self._preempted())):
             with self.cond:
                 self.controls.popleft()
@@ -220,7 +225,8 @@ class Loop(Admission):
         x, rows = build(eng.pool, decoding, chunks, lay, slots=eng.max_batch_size, steps=steps)
         self.mixed_last = bool(chunks)
         for row in rows[len(decoding):]:  # prompt pages this step completes: indexed now, rows when they arrive
-            row.pending = eng.pool.register(row.seq.pages, row.seq.feed[:row.hi], None)
+            if row.seq.job.version == eng.weight_version:  # KV of one version only (weights kept mid-request)
+                row.pending = eng.pool.register(row.seq.pages, row.seq.feed[:row.hi], None)
         extra = None
         if steps > 1:  # each row's budget and stop ids, for the loop's checks on device
             extra = np.zeros((lay.rows, 1 + eng.max_stop_tokens), np.int32)
@@ -230,7 +236,7 @@ class Loop(Admission):
                 extra[row.row, 1:] = row.seq.job.row["stop_ids"]
         t1 = time.perf_counter()
         outputs = eng.dispatch(lay, x) if extra is None else eng.dispatch(lay, x, extra)
-        self.inflight.append(_Step(lay, rows, outputs, steps))
+        self.inflight.append(_Step(lay, rows, outputs, steps, eng.weight_version))
         c = eng._counters
         c["plan_s"] += t1 - t0
         c["dispatch_s"] += time.perf_counter() - t1
@@ -263,7 +269,7 @@ class Loop(Admission):
                     if seq.finished:  # stopped earlier in this call, or in a call before it
                         eng._counters["wasted_tokens"] += row.hi - row.lo - i
                         break
-                    self._take(seq, int(tok[i, row.row]), float(lp[i, row.row]), now)
+                    self._take(seq, int(tok[i, row.row]), float(lp[i, row.row]), now, step.version)
                 continue
             lo = max(row.lo, seq.final)  # a preempted request's rows below final are the ones it received
             if lo < row.hi:  # even if seq is gone: its pending pages need them
@@ -275,15 +281,19 @@ class Loop(Admission):
                 eng._counters["wasted_tokens"] += row.hi - row.lo
                 continue
             if row.samples:
-                self._take(seq, int(tok[row.row]), float(lp[row.row]), now)
+                self._take(seq, int(tok[row.row]), float(lp[row.row]), now, step.version)
         del eng._ttft[:-4096]
         eng._counters["route_gather_s"] += gather
         eng._counters["process_s"] += time.perf_counter() - now
 
-    def _take(self, seq: Seq, token: int, logprob: float, now: float) -> None:
-        """One sampled token of seq; finishes seq at a stop token or its max_tokens."""
+    def _take(self, seq: Seq, token: int, logprob: float, now: float, version: int) -> None:
+        """One sampled token of seq (by the weights of ``version``); finishes seq at a stop token or its
+        max_tokens."""
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
+        spans = seq.job.versions
+        if not spans or spans[-1][1] != version:
+            spans.append((len(seq.tokens) - 1, version))
         stop_here = False
         if seq.job.on_token is not None:
             try:  # a true answer stops the request at this token (stop strings: r3jax.serve.peers.stream)
@@ -299,28 +309,64 @@ class Loop(Admission):
 
     def _finish(self, seq: Seq) -> None:
         eng, job = self.engine, seq.job
-        req, p, g = job.request, seq.prompt_len, len(seq.tokens)
+        self._hit_rows(seq)
+        out = self._output(job, seq.tokens, seq.logprobs, seq.routes, "stop" if seq.stopped else "length")
+        if job.version == eng.weight_version and all(v == job.version for _, v in job.versions):
+            fed = np.concatenate([job.prompt, np.asarray(seq.tokens[:-1], np.int32)])
+            eng.pool.register(seq.pages, fed, seq.routes)  # never pages whose KV spans two versions
+        eng._counters["requests"] += 1
+        eng._counters["generated_tokens"] += len(seq.tokens)
+        self._retire(seq)
+        _settle(job.future, result=out)
+
+    def _hit_rows(self, seq: Seq) -> None:
+        """Copy the prefix hit's route rows into seq's (all on the host by now: their steps ran before)."""
+        if seq.hit:
+            hit = seq.pages[:seq.hit // self.engine.pool.page_size]
+            seq.routes[:seq.hit] = self.engine.pool.routes[hit].reshape(seq.hit, *seq.routes.shape[1:])
+
+    def _output(self, job: Job, tokens: list, logprobs: list, routes: np.ndarray, finish: str) -> GenerateOutput:
+        """A request's answer from its tokens, logprobs and route rows ``[P + G - 1, ...]`` so far."""
+        eng, req, p, g = self.engine, job.request, len(job.prompt), len(tokens)
         t0 = time.perf_counter()
-        if seq.hit:  # the prefix hit's rows (all on the host by now: their steps ran before ours)
-            hit = seq.pages[:seq.hit // eng.pool.page_size]
-            seq.routes[:seq.hit] = eng.pool.routes[hit].reshape(seq.hit, *seq.routes.shape[1:])
         s = req.routed_experts_prompt_start
         routed = None
         if req.return_routed_experts:
-            routed = np.ascontiguousarray(seq.routes[s:p + g - 1])
+            routed = np.ascontiguousarray(routes[s:p + g - 1])
             eng._counters["route_rows"] += len(routed)
         eng._counters["route_gather_s"] += time.perf_counter() - t0
-        fed = np.concatenate([job.prompt, np.asarray(seq.tokens[:-1], np.int32)])
-        eng.pool.register(seq.pages, fed, seq.routes)
-        c = eng._counters
-        c["requests"] += 1
-        c["generated_tokens"] += g
-        out = GenerateOutput(
-            output_ids=list(seq.tokens), logprobs=list(seq.logprobs) if req.return_logprobs else None,
-            finish_reason="stop" if seq.stopped else "length", routed_experts=routed, prompt_tokens=p,
-            cached_tokens=job.cached, weight_version=job.version, routed_experts_start=s)
-        self._retire(seq)
-        _settle(job.future, result=out)
+        return GenerateOutput(
+            output_ids=list(tokens), logprobs=list(logprobs) if req.return_logprobs else None,
+            finish_reason=finish, routed_experts=routed, prompt_tokens=p, cached_tokens=job.cached,
+            weight_version=job.version, routed_experts_start=s, weight_versions=tuple(job.versions))
+
+    def _return_live(self) -> None:
+        """A weight update's mode "abort": every request that has sampled a token returns what it has
+        (finish_reason "abort"); one that has not goes back to the front of the queue for the new weights."""
+        eng, back = self.engine, []
+        for seq in list(self.seqs):
+            job = seq.job
+            if seq.tokens:
+                self._hit_rows(seq)
+                out = self._output(job, seq.tokens, seq.logprobs, seq.routes, "abort")
+                self._retire(seq)
+                eng._counters["aborted"] += 1
+                _settle(job.future, result=out)
+            else:
+                self._retire(seq)
+                job.versions.clear()
+                back.append(job)
+        with self.cond:
+            preempted = [j for j in self.waiting if j.resume is not None and j.resume[0]]
+            for j in self.waiting:
+                if j.resume is not None and not j.resume[0]:  # preempted before its first token: start afresh
+                    j.resume = None
+                    j.versions.clear()
+            self.waiting = collections.deque(back + [j for j in self.waiting if j.resume is None])
+        for job in preempted:  # what a preempted request had received when it was preempted
+            tokens, logprobs, routes = job.resume
+            eng._counters["aborted"] += 1
+            _settle(job.future, result=self._output(job, tokens, logprobs, routes, "abort"))
 
     def _retire(self, seq: Seq) -> None:
         """Free seq's slot, pages and unused reservation. Safe with its steps still in flight: the

@@ -107,6 +107,11 @@ class GenerateOutput:
     tokens were first processed), or None. cached_tokens: prompt tokens whose KV came from the prefix
     cache; None when a remote generator did not report it (SkyRL's answer has no such field; vLLM's
     only with ``--enable-prompt-tokens-details``): unknown, never read as 0. routed_experts_start: s.
+    finish_reason: "stop", "length", or "abort" (a weight update with ``mode="abort"`` returned what the
+    request had: resubmit prompt + output_ids to go on). weight_version: the version when the request
+    was admitted; weight_versions: ``((first token index, version), ...)`` spans of the versions that
+    sampled its tokens (several only when a weight update with ``mode="keep"`` came mid-request;
+    empty when the generator does not say).
     """
 
     output_ids: list[int]
@@ -117,6 +122,7 @@ class GenerateOutput:
     cached_tokens: int | None
     weight_version: int
     routed_experts_start: int
+    weight_versions: tuple = ()
 
 
 def _token_array(name, value, vocab_size) -> np.ndarray:

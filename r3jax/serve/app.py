@@ -8,8 +8,11 @@ Endpoints::
     GET  /v1/model      ModelInfo: E, K, L, moe_layer_ids, vocab_size, max_seq_len, weight_version
     POST /v1/generate   GenerateBody -> GenerateResponse (n > 1: GenerateSamplesResponse)
     POST /v1/weights    {"path": dir, "format": "orbax" | "safetensors"} -> {"weight_version": n};
-                        ``?abort_in_flight=true`` fails requests in flight (503, retryable) instead of
-                        letting them finish on the old weights first
+                        ``?mode=wait`` (default) lets requests in flight finish on the old weights
+                        first, ``keep`` swaps between two device steps and lets them go on with the new
+                        ones (``weight_versions`` spans say which tokens came from which), ``abort``
+                        answers them with what they have (``finish_reason: "abort"``; resubmit prompt +
+                        output_ids to go on); ``?abort_in_flight=true`` fails them (503, retryable)
     GET  /v1/stats      request counters, requests per recent session_id, route transfer costs
                         (``routes``: gather_s, encode_s, rows, bytes, responses; gather_s: the engine's
                         seconds copying route rows out of its steps' outputs), the device mesh
@@ -54,6 +57,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from r3jax.checks import FieldError
+from r3jax.engine.engine import WEIGHT_UPDATE_MODES
 from r3jax.serve import schema
 from r3jax.serve.batcher import EngineBridge
 from r3jax.serve.dispatch import Disconnected, ServeContext, Unavailable
@@ -328,6 +332,11 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
         abort = request.query_params.get("abort_in_flight", "false").lower()
         if abort not in ("true", "false", "1", "0"):
             raise schema.InputError("abort_in_flight", f"abort_in_flight={abort!r}: expected true or false")
+        mode = request.query_params.get("mode")
+        if mode is not None and mode not in WEIGHT_UPDATE_MODES:
+            raise schema.InputError("mode", f"mode={mode!r}: expected one of {', '.join(WEIGHT_UPDATE_MODES)}")
+        if mode not in (None, "abort") and abort in ("true", "1"):
+            raise schema.InputError("abort_in_flight", f"abort_in_flight={abort!r}: expected false with mode={mode!r}")
         async with weights_lock:  # one load at a time; generation keeps running meanwhile
             try:
                 state = await asyncio.to_thread(load_weights, body.path, body.format, engine)
@@ -337,7 +346,7 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
                 log.warning("weights load failed: %s", e)
                 raise schema.InputError("path", f"path={body.path!r} ({body.format}): "
                                         f"{type(e).__name__}: {e}") from None
-            kwargs = {"abort_in_flight": True} if abort in ("true", "1") else {}
+            kwargs = {"abort_in_flight": True} if abort in ("true", "1") else {"mode": mode}
             try:
                 version = await bridge.run_exclusive(lambda: engine.set_weights(state, **kwargs))
             except ValueError as e:  # the engine's own structure / shape check

@@ -129,8 +129,9 @@ def _output(obj: dict, routes, request, info: ServedModel, where: str):
     else:
         logprobs = None
     finish = obj.get("finish_reason")
-    if finish not in ("stop", "length"):
-        raise ProtocolError(f"{where}: finish_reason={finish!r}: expected 'stop' or 'length'")
+    if finish not in ("stop", "length", "abort"):
+        raise ProtocolError(f"{where}: finish_reason={finish!r}: expected 'stop', 'length' or 'abort'")
+    spans = _spans(obj.get("weight_versions", []), g, where)
     if request.return_routed_experts:
         if routes is None:
             raise ProtocolError(f"{where}: routed_experts missing: the request asked for them")
@@ -141,7 +142,20 @@ def _output(obj: dict, routes, request, info: ServedModel, where: str):
                           prompt_tokens=_field(obj, "prompt_tokens", int, where),
                           cached_tokens=_field(obj, "cached_tokens", int, where),
                           weight_version=_field(obj, "weight_version", int, where),
-                          routed_experts_start=int(request.routed_experts_prompt_start))
+                          routed_experts_start=int(request.routed_experts_prompt_start), weight_versions=spans)
+
+
+def _spans(value, g: int, where: str) -> tuple:
+    """``weight_versions``: ``[[first token index, version], ...]`` starting at 0, indices rising below G
+    (absent from an older server: ``()``)."""
+    ok = isinstance(value, list) and all(
+        isinstance(x, list) and len(x) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in x)
+        for x in value)
+    firsts = [x[0] for x in value] if ok else []
+    if not ok or (value and (firsts[0] != 0 or firsts != sorted(set(firsts)) or firsts[-1] >= g)):
+        raise ProtocolError(f"{where}: weight_versions={str(value)[:80]}: expected [[first token index, "
+                            f"version], ...] from index 0, rising, below G={g}", "weight_versions")
+    return tuple((int(i), int(v)) for i, v in value)
 
 
 def parse_response(content: bytes, media_type: str, request, info: ServedModel, where: str):

@@ -105,11 +105,14 @@ class GenerateResponse(BaseModel):
 
     output_ids: list[int]
     logprobs: list[float] | None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "abort"]
     routed_experts: RoutesWire | None
     prompt_tokens: int
     cached_tokens: int
     weight_version: int
+    weight_versions: list[list[int]] = Field(
+        description="[[first token index, weight version], ...]: the versions that sampled the tokens "
+                    "(several when a weight update with mode=keep came mid-request)")
 
 
 class GenerateSamplesResponse(BaseModel):
@@ -313,7 +316,8 @@ def output_json(out, layers: list[int], *, binary_routes: bool = False) -> tuple
            "logprobs": None if out.logprobs is None else [clamp_logprob(x) for x in out.logprobs],
            "finish_reason": out.finish_reason, "routed_experts": None,
            "prompt_tokens": int(out.prompt_tokens), "cached_tokens": int(out.cached_tokens),
-           "weight_version": int(out.weight_version)}
+           "weight_version": int(out.weight_version),
+           "weight_versions": [[int(i), int(v)] for i, v in getattr(out, "weight_versions", ())]}
     frame = b""
     if routes is not None and binary_routes:
         frame = routes_lib.encode_binary(routes, start, layers)

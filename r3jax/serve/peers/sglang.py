@@ -134,6 +134,8 @@ def render_generate(out: GenerateOutput, request: GenerateRequest, *, num_expert
     ids, g = [int(t) for t in out.output_ids], len(out.output_ids)
     if out.finish_reason == "stop":
         reason = {"type": "stop", "matched": ids[-1]}
+    elif out.finish_reason == "abort":  # a weight update (mode "abort") returned what the request had
+        reason = {"type": "abort", "message": "aborted by a weight update; resubmit the prompt and output_ids"}
     else:
         reason = {"type": "length", "length": int(request.max_tokens)}
     meta: dict[str, Any] = {"id": rid, "finish_reason": reason, "prompt_tokens": len(request.prompt_ids),

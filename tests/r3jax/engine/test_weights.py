@@ -1,6 +1,8 @@
-"""Weight updates while requests decode: drain finishes in-flight requests on the old weights, abort
-fails them with the retryable EngineAborted, no output mixes versions, and the prefix cache never
-serves routes of old weights after a change (compared with a fresh engine built on the new weights)."""
+"""Weight updates while requests decode: drain ("wait") finishes in-flight requests on the old weights,
+abort_in_flight fails them with the retryable EngineAborted, mode "abort" returns what they have,
+mode "keep" lets them go on with the new weights (their version spans say where), and the prefix cache
+never serves KV or routes of old weights after a change (compared with a fresh engine built on the new
+weights)."""
 
 import threading
 import time
@@ -110,6 +112,106 @@ def test_prefix_cache_after_a_weight_change_serves_the_new_weights_routes(engine
     assert again.cached_tokens > 0
     _same(again, want)
     engine.set_weights(params)
+
+
+def _swap_mid_request(engine, reqs, params, mode, at=3):
+    """Submit ``reqs``; once request 0 has sampled ``at`` tokens, hold the scheduler (inside its token
+    callback) until ``set_weights(params, mode=mode)`` is queued, so the swap lands mid-request whatever
+    the machine's speed. Returns (futures, new version)."""
+    ready, queued, count, result = threading.Event(), threading.Event(), [0], {}
+
+    def on_token(token, logprob):
+        count[0] += 1
+        if count[0] == at:
+            ready.set()
+            queued.wait(60)
+
+    futures = [engine.submit(reqs[0], on_token=on_token)] + [engine.submit(r) for r in reqs[1:]]
+    assert ready.wait(60)
+    swap = threading.Thread(target=lambda: result.setdefault("v", engine.set_weights(params, mode=mode)))
+    swap.start()
+    deadline = time.monotonic() + 60
+    while not engine._sched.controls and time.monotonic() < deadline:
+        time.sleep(0.001)
+    queued.set()
+    swap.join(120)
+    return futures, result["v"]
+
+
+def test_keep_goes_on_with_the_new_weights_and_says_where(engine, weights):
+    """mode "keep": running requests continue on the new weights from the next device step; each output's
+    weight_versions spans say which tokens which version sampled; tokens and route rows before the switch
+    are the old weights' (greedy); a request that spans the swap indexes no page, and the old pages are
+    gone, so its whole conversation is computed again on the new weights."""
+    params, scaled, fresh = weights
+    reqs = [_req(i, n=48) for i in range(3)]
+    old = engine.generate(reqs)
+    v0 = engine.weight_version
+    futures, v1 = _swap_mid_request(engine, reqs, scaled, "keep")
+    assert v1 == v0 + 1
+    outs = [f.result(timeout=60) for f in futures]
+    switched = 0
+    for out, want, req in zip(outs, old, reqs):
+        assert out.finish_reason == "length" and len(out.output_ids) == 48 and out.weight_version == v0
+        spans = out.weight_versions
+        assert spans[0] == (0, v0) and [v for _, v in spans] in ([v0], [v0, v1]), spans
+        k = spans[1][0] if len(spans) == 2 else 48
+        p, s = len(req.prompt_ids), req.routed_experts_prompt_start
+        assert out.output_ids[:k] == want.output_ids[:k]
+        np.testing.assert_array_equal(out.routed_experts[:p - s + k - 1], want.routed_experts[:p - s + k - 1])
+        if len(spans) == 2:
+            switched += 1
+            assert 1 <= k < 48 and out.output_ids[k:] != want.output_ids[k:]  # the new weights sampled these
+    assert switched >= 1 and futures and outs[0].weight_versions[1][0] >= 3  # request 0 switched after token 3
+    # nothing computed before the swap, nor by a request that spanned it, is a prefix hit now
+    follow = GenerateRequest(prompt_ids=reqs[0].prompt_ids + outs[0].output_ids, max_tokens=4, temperature=0.0,
+                             return_routed_experts=True)
+    [a] = engine.generate([follow])
+    assert a.cached_tokens == 0 and a.weight_versions == ((0, v1),)
+    _same(a, fresh.generate([follow])[0])
+    assert engine.generate([follow])[0].cached_tokens > 0  # computed on the new weights alone: shared
+    engine.set_weights(params)
+
+
+def test_abort_mode_returns_what_each_request_has_and_a_resubmission_goes_on(engine, weights):
+    """mode "abort": each running request that has a token returns it with finish_reason "abort": its
+    tokens, logprobs and route rows [s, P + G - 1) are the old weights' (greedy); one without a token runs
+    again on the new weights. Resubmitting prompt + tokens (rows from the trace's cursor) goes on there."""
+    params, scaled, fresh = weights
+    reqs = [_req(i, n=48) for i in range(3)]
+    old = engine.generate(reqs)
+    aborted = engine.stats["aborted"]
+    futures, v1 = _swap_mid_request(engine, reqs, scaled, "abort")
+    outs = [f.result(timeout=60) for f in futures]
+    assert outs[0].finish_reason == "abort"
+    n_aborted = 0
+    for out, want, req in zip(outs, old, reqs):
+        if out.finish_reason != "abort":  # had no token yet: ran wholly on the new weights
+            _same(out, fresh.generate([req])[0])
+            continue
+        n_aborted += 1
+        g, p, s = len(out.output_ids), len(req.prompt_ids), req.routed_experts_prompt_start
+        assert 1 <= g < 48 and out.output_ids == want.output_ids[:g]
+        np.testing.assert_allclose(out.logprobs, want.logprobs[:g], atol=2e-5)
+        assert out.routed_experts.shape[0] == p - s + g - 1
+        np.testing.assert_array_equal(out.routed_experts, want.routed_experts[:p - s + g - 1])
+        assert set(v for _, v in out.weight_versions) == {v1 - 1}
+        rest = GenerateRequest(prompt_ids=req.prompt_ids + out.output_ids, max_tokens=48 - g, temperature=0.0,
+                               return_routed_experts=True, routed_experts_prompt_start=p + g - 1)
+        [more] = engine.generate([rest])
+        assert more.weight_version == v1 and more.routed_experts.shape[0] == 1 + len(more.output_ids) - 1
+        _same(more, fresh.generate([rest])[0])
+    assert engine.stats["aborted"] == aborted + n_aborted and engine.stats["live_slots"] == 0
+    engine.set_weights(params)
+
+
+def test_set_weights_mode_is_checked(engine, weights):
+    from r3jax.checks import FieldError
+
+    with pytest.raises(FieldError, match="mode"):
+        engine.set_weights(weights[0], mode="later")
+    with pytest.raises(FieldError, match="abort_in_flight"):
+        engine.set_weights(weights[0], abort_in_flight=True, mode="keep")
 
 
 def test_set_weights_rejects_a_mismatched_tree(tiny_model, engine):

@@ -93,7 +93,8 @@ def test_json_wire_form(served, monkeypatch):
     assert httpx.post(url + "/v1/generate", json=body, timeout=60).content == r.content
     obj = r.json()
     assert set(obj) == {"output_ids", "logprobs", "finish_reason", "routed_experts", "prompt_tokens",
-                        "cached_tokens", "weight_version"}
+                        "cached_tokens", "weight_version", "weight_versions"}
+    assert obj["weight_versions"] == [[0, obj["weight_version"]]]
     wire = obj["routed_experts"]
     assert (wire["shape"], wire["dtype"], wire["start"], wire["layers"]) == ([5 - 3 + 4 - 1, 2, 2], "uint8", 3, [1, 2])
     [local] = engine.generate([REQUESTS[1]])
@@ -538,3 +539,72 @@ def test_weight_update_with_abort_is_503_retryable(served, serve_helpers, model)
         assert again["weight_version"] == version + 1 and len(again["output_ids"]) == 60
         bad = httpx.post(srv.url + "/v1/weights?abort_in_flight=maybe", json={"path": "/w", "format": "orbax"})
         assert bad.status_code == 422 and bad.json()["field"] == "abort_in_flight"
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_weight_update_modes_over_http(served, serve_helpers, model, mode):
+    """``POST /v1/weights?mode=keep``: requests in flight go on with the new weights and their answers'
+    ``weight_versions`` spans say from which token; ``mode=abort``: they answer at once with what they have
+    (``finish_reason: "abort"``, tokens, logprobs and routes of the old weights), and the prompt plus those
+    tokens resubmitted goes on. Every reply is a 200; the client reads both."""
+    import concurrent.futures
+    import time
+
+    import jax
+
+    from r3jax.serve.protocol import ServedModel, parse_response
+
+    engine, _ = served
+    params = nnx.state(model, nnx.Param)
+    scaled = jax.tree.map(lambda x: x * 1.5, params)
+    pushes = iter([scaled, params] * 20)
+    app = create_app(engine, load_weights=lambda path, fmt, eng: next(pushes))
+    long = {"prompt_ids": [3, 4, 5], "sampling_params": {"max_tokens": 60, "temperature": 0.0},
+            "return_routed_experts": True}
+    with serve_helpers.thread_server(app) as srv, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        info = ServedModel.from_json(httpx.get(srv.url + "/v1/model").json())
+        for _attempt in range(20):  # as above: repeat until a request was in flight at the update
+            version = engine.weight_version
+            running = [pool.submit(httpx.post, srv.url + "/v1/generate", json=long, timeout=60) for _ in range(4)]
+            deadline = time.monotonic() + 30
+            while (engine.stats["live_slots"] < 4 and not all(f.done() for f in running)
+                   and time.monotonic() < deadline):
+                time.sleep(0.001)
+            r = httpx.post(srv.url + f"/v1/weights?mode={mode}", json={"path": "/w", "format": "orbax"}, timeout=60)
+            assert r.status_code == 200 and r.json() == {"weight_version": version + 1}
+            replies = [f.result() for f in running]
+            assert all(x.status_code == 200 for x in replies), [x.text for x in replies]
+            bodies = [x.json() for x in replies]
+            crossed = [b for b in bodies if len(b["weight_versions"]) == 2 or b["finish_reason"] == "abort"]
+            if crossed:
+                break
+            httpx.post(srv.url + "/v1/weights", json={"path": "/w", "format": "orbax"}, timeout=60)  # back
+        else:
+            pytest.fail(f"no request was in flight at the update in 20 attempts ({mode})")
+        for b in crossed:
+            g = len(b["output_ids"])
+            if mode == "keep":
+                assert b["finish_reason"] == "length" and g == 60
+                [[zero, v0], [k, v1]] = b["weight_versions"]
+                assert (zero, v0, v1) == (0, version, version + 1) and 0 < k < 60
+            else:
+                assert b["finish_reason"] == "abort" and 1 <= g < 60
+                assert b["weight_versions"] == [[0, version]]
+                assert b["routed_experts"]["shape"][0] == 3 + g - 1
+                rest = {"prompt_ids": [3, 4, 5] + b["output_ids"],
+                        "sampling_params": {"max_tokens": 60 - g, "temperature": 0.0,
+                                            "routed_experts_prompt_start": 3 + g - 1},
+                        "return_routed_experts": True}
+                more = httpx.post(srv.url + "/v1/generate", json=rest, timeout=60).json()
+                assert more["weight_versions"] == [[0, version + 1]] and len(more["output_ids"]) == 60 - g
+                assert more["routed_experts"]["shape"][0] == 1 + (60 - g) - 1
+        # the client reads what it got (the r3jax form with its spans and finish reason)
+        b = crossed[0]
+        req = GenerateRequest([3, 4, 5], max_tokens=60, temperature=0.0, return_routed_experts=True)
+        out = parse_response(json.dumps(b).encode(), "application/json", req, info, "test")
+        assert out.finish_reason == b["finish_reason"] and list(map(list, out.weight_versions)) == b["weight_versions"]
+        bad = httpx.post(srv.url + "/v1/weights?mode=later", json={"path": "/w", "format": "orbax"})
+        assert bad.status_code == 422 and bad.json()["field"] == "mode"
+        bad = httpx.post(srv.url + "/v1/weights?mode=keep&abort_in_flight=true", json={"path": "/w", "format": "orbax"})
+        assert bad.status_code == 422 and bad.json()["field"] == "abort_in_flight"
+    engine.set_weights(params)  # leave the served engine on its own weights

@@ -257,7 +257,9 @@ def test_parse_response_reads_the_skyrl_form_and_checks_it():
     np.testing.assert_array_equal(out.routed_experts, rows)
     assert out.routed_experts.dtype == np.uint8 and (out.finish_reason, out.weight_version) == ("stop", 4)
     for change, match in (({"routed_experts": None}, "missing"), ({"logprobs": [-1.0]}, "logprobs"),
-                          ({"finish_reason": "abort"}, "finish_reason"), ({"output_ids": []}, "output_ids"),
+                          ({"finish_reason": "aborted"}, "finish_reason"),
+                          ({"weight_versions": [[1, 4]]}, "weight_versions"), ({"weight_versions": [[0, 4], [3, 5]]},
+                                                                              "weight_versions"), ({"output_ids": []}, "output_ids"),
                           ({"routed_experts": {**skyrl, "layers": [0, 1]}}, "layers"),
                           ({"routed_experts": [[[0, 1]]]}, "packed form")):
         with pytest.raises(ProtocolError, match=match):

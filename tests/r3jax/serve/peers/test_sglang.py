@@ -151,3 +151,15 @@ def test_client_refuses_abort_and_wrong_rows():
     odd = {**resp, "meta_info": {**resp["meta_info"], "routed_experts": base64.b64encode(b"\0" * 20).decode()}}
     with pytest.raises(ProtocolError, match="multiple of"):
         sglang.parse_generate_response(odd, req, num_experts=E, num_layers=L, top_k=K)
+
+
+def test_an_aborted_output_renders_as_sglangs_abort():
+    """A weight update's mode "abort" answer goes out as SGLang's ``{"type": "abort"}`` finish (never as a
+    length or stop), which SGLang's clients, this one included, read as an aborted request."""
+    req = GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=8)
+    out = GenerateOutput(output_ids=[4, 5], logprobs=[-0.5, -0.25], finish_reason="abort", routed_experts=None,
+                         prompt_tokens=3, cached_tokens=0, weight_version=2, routed_experts_start=0)
+    obj = sglang.render_generate(out, req, num_experts=E, rid="r")
+    assert obj["meta_info"]["finish_reason"]["type"] == "abort"
+    with pytest.raises(ProtocolError, match="aborted by a weight update"):
+        sglang.parse_generate_response(obj, req, num_experts=E, num_layers=L, top_k=K)
