@@ -50,13 +50,15 @@ class Episode:
         self.rewards: list[float] = []
         self.finish_reason: str | None = None
         self._start = 0
+        self.turn = 0  # environment turns completed (a turn an update aborted takes several calls)
+        self.partial: list[int] = []  # the current turn's tokens from calls a weight update aborted
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def _where(self) -> str:
-        return f"turn {len(self.turns)} of trajectory (group {self.group}, sample {self.sample})"
+        return f"turn {self.turn} of trajectory (group {self.group}, sample {self.sample})"
 
     def _check_tokens(self, tokens: Sequence[int], what: str) -> None:
         v = self.loop.info["vocab_size"]
@@ -69,10 +71,12 @@ class Episode:
         self._start = 0 if loop.full_regather else self.trace.prompt_start
         room = loop.max_seq_len - len(self.tokens)
         s = loop.sampling
+        # an aborted turn goes on from its tokens so far: the rest of its budget, its own seed
+        parts = (self.turn,) if not self.partial else (self.turn, len(self.partial))
         return GenerateRequest(
-            prompt_ids=list(self.tokens), max_tokens=min(s.max_tokens, room),
+            prompt_ids=list(self.tokens), max_tokens=min(s.max_tokens - len(self.partial), room),
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-            seed=request_seed(loop.seed, self.group, self.sample, len(self.turns)),
+            seed=request_seed(loop.seed, self.group, self.sample, *parts),
             stop_token_ids=self.stops, return_logprobs=True,
             return_routed_experts=self.with_routes,
             routed_experts_prompt_start=self._start,
@@ -109,6 +113,18 @@ class Episode:
         self.tokens += ids
         self.loss += [1.0] * g
         self.logp += [float(x) for x in logprobs]
+        stats = dict(routes_start=self._start, route_rows=rows, route_bytes=nbytes, prompt_tokens=p,
+                     cached_tokens=None if out.cached_tokens is None else int(out.cached_tokens), generated_tokens=g,
+                     weight_version=int(out.weight_version))
+        room = len(self.partial) + g < loop.sampling.max_tokens and len(self.tokens) < loop.max_seq_len
+        if out.finish_reason == "abort" and room:
+            # a weight update returned this call's tokens mid-turn: the turn goes on from them (its rows
+            # stay the version that computed them); the environment sees the whole turn when it ends
+            self.partial += ids
+            self.turns.append(TurnStats(**stats, observation_tokens=0, finish_reason="abort", reward=0.0,
+                                        synthetic_eos=False))
+            return
+        ids, self.partial = self.partial + ids, []
         synthetic = (ids[-1] not in self.stops and self.eos is not None
                      and len(self.tokens) < loop.max_seq_len)
         if synthetic:  # close the cut-off turn so the next prompt keeps the chat format
@@ -120,7 +136,7 @@ class Episode:
         appended = 0
         if done:
             self.finish_reason = "done"
-        elif len(self.turns) + 1 >= loop.max_turns:
+        elif self.turn + 1 >= loop.max_turns:
             self.finish_reason = "max_turns"
         else:
             if isinstance(obs, FullPrompt):
@@ -137,12 +153,9 @@ class Episode:
                 self.loss += [0.0] * len(new)
                 self.logp += [0.0] * len(new)
                 appended = len(new)
-        self.turns.append(TurnStats(
-            routes_start=self._start, route_rows=rows, route_bytes=nbytes, prompt_tokens=p,
-            cached_tokens=None if out.cached_tokens is None else int(out.cached_tokens), generated_tokens=g,
-            observation_tokens=appended, finish_reason=str(out.finish_reason),
-            weight_version=int(out.weight_version), reward=float(reward),
-            synthetic_eos=synthetic))
+        self.turn += 1
+        self.turns.append(TurnStats(**stats, observation_tokens=appended, finish_reason=str(out.finish_reason),
+                                    reward=float(reward), synthetic_eos=synthetic))
 
     def result(self) -> Trajectory:
         info, n, p0 = self.loop.info, len(self.tokens), self.prompt_len

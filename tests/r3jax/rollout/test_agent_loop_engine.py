@@ -235,3 +235,85 @@ def test_chat_loop_detects_a_template_that_is_not_prefix_stable(chat_server, mod
                 broken += 1
         assert a.route_rows >= a.num_tokens - 1
     assert broken >= 4  # rows were re-sent in most turns (random replies are rarely empty)
+
+
+# ---- a turn across weight updates ----------------------------------------------------------------
+
+def test_a_turn_aborted_by_two_weight_updates_keeps_each_segments_routes(engine, model):
+    """A partial rollout: a turn is aborted twice mid-call by weight updates (``set_weights(mode="abort")``
+    held until the call has 3 tokens), and the loop resubmits prompt + tokens from the trace's cursor each
+    time. The trajectory's route rows equal, segment by segment, what that segment's weights produce at
+    those positions (a full forward with them), never recomputed by a later version; the environment
+    sees the whole turn once."""
+    import threading
+    import time
+
+    _, params, _ = nnx.split(model, nnx.Param, ...)
+    versions = [params, jax.tree.map(lambda x: x * 1.5, params), jax.tree.map(lambda x: x * 0.6, params)]
+
+    def aborted_mid_call(req, new_weights):
+        ready, queued, count = threading.Event(), threading.Event(), [0]
+
+        def on_token(token, logprob):
+            count[0] += 1
+            if count[0] == 3:
+                ready.set()
+                queued.wait(60)
+
+        fut = engine.submit(req, on_token=on_token)
+        assert ready.wait(60)
+        swap = threading.Thread(target=engine.set_weights, args=(new_weights,), kwargs={"mode": "abort"})
+        swap.start()
+        deadline = time.monotonic() + 60
+        while not engine._sched.controls and time.monotonic() < deadline:
+            time.sleep(0.001)
+        queued.set()
+        swap.join(120)
+        return fut.result(timeout=60)
+
+    class Updating:
+        """The engine; its first two calls are aborted by an update to the next weights."""
+        config, moe_layer_ids, max_seq_len = engine.config, engine.moe_layer_ids, engine.max_seq_len
+        calls = 0
+
+        def generate(self, requests):
+            [req] = requests
+            if self.calls < 2:
+                out = aborted_mid_call(req, versions[self.calls + 1])
+                assert out.finish_reason == "abort"
+            else:
+                [out] = engine.generate([req])
+            self.calls += 1
+            return [out]
+
+    steps = []
+
+    class OneTurn(ArithmeticEnv):
+        def step(self, action):
+            steps.append(list(action))
+            return super().step(action)
+
+    engine.set_weights(versions[0])
+    try:
+        loop = AgentLoop(Updating(), lambda: OneTurn(num_turns=1), max_turns=1, max_seq_len=MAX_SEQ,
+                         sampling={"max_tokens": 40, "temperature": 0.0, "stop_token_ids": ()})
+        [traj] = loop.run(1, 1, env_seeds=[3])
+    finally:
+        engine.set_weights(params)
+    assert [t.finish_reason for t in traj.turns] == ["abort", "abort", "length"] and traj.num_turns == 3
+    assert sum(t.generated_tokens for t in traj.turns) == 40 and traj.weight_version_changed
+    assert len(steps) == 1 and steps[0] == list(traj.response_ids[:40])  # the whole turn, once
+    assert traj.captured.sum() == traj.num_tokens - 1 - int(traj.turns[-1].synthetic_eos)
+    fwds = []
+    for weights in versions:
+        other = MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0))
+        nnx.update(other, weights)
+        fwds += _forward_routes(other, [traj])
+    for t, fwd, j in zip(traj.turns, fwds, range(3)):
+        lo, hi = t.routes_start, t.prompt_tokens + t.generated_tokens - 1
+        assert hi - lo == t.route_rows and (lo == 0) == (j == 0)
+        np.testing.assert_array_equal(traj.routes[lo:hi], fwd[lo:hi])
+        if j:  # the versions route these positions differently: the check tells them apart
+            assert not np.array_equal(fwds[j - 1][lo:hi], fwd[lo:hi])
+    starts = traj.starts
+    assert starts[1] == traj.turns[0].prompt_tokens + traj.turns[0].generated_tokens - 1  # from the cursor
