@@ -390,10 +390,13 @@ SECTIONS = [
             "are quoted. Most runs were made by two processes side by side on the 2 cores, so step seconds "
             "are under load; a time ratio pairs only runs of one commit.", replay_dose),
     Section("replay_mismatch", "Train–rollout mismatch with and without replay", "python -m experiments.replay_mismatch",
-            "Random-init models; the engine samples in bf16 (and fp32, the same-dtype control); an fp32 trainer "
+            "Random-init models; the engine samples in bf16 with its LM head in fp32 (its default), in bf16 with "
+            "a bf16 head, and in fp32 (the same-dtype control); an fp32 trainer "
             "scores the same tokens with and without replay. `live_*`: the trainer router's own top-k against "
             "the rollout's. Replay overrides the choice, not the router; but replayed layers feed later layers "
-            "hidden states closer to the rollout's, so their live choice moves too.", replay_mismatch),
+            "hidden states closer to the rollout's, so their live choice moves too. The fp32 head takes 2–3% off "
+            "the logprob mismatch left under replay on these models: the rest is the bf16 network's.",
+            replay_mismatch),
     Section("routers", "Router families", "python -m experiments.routers",
             "bf16 engine rollouts scored by an fp32 trainer for each router family (softmax top-k; sigmoid with "
             "a selection bias and group limiting; the same with multi-head latent attention).", routers),
