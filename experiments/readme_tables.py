@@ -122,7 +122,10 @@ def replay_mismatch(d: dict) -> str:
         out += ("\n\nThe LM head in fp32 (the engine's default) against a bf16 head, bf16 rollouts under replay "
                 "(mean |Δ logprob|; same seeds, same_tokens = trajectories both sampled alike):\n\n"
                 + _t(head, ["config", "mean_abs_delta_replay_fp32_head", "mean_abs_delta_replay_bf16_head",
-                            "head_fp32_over_bf16", "same_tokens"]))
+                            "head_fp32_over_bf16", "same_tokens"])
+                + "\n\nThe fp32 head changes that mismatch by "
+                + ", ".join(f"{100 * (r['head_fp32_over_bf16'] - 1):+.1f}% ({r['config']})" for r in head)
+                + "; the rest is the bf16 network's own rounding.")
     return out
 
 
@@ -394,8 +397,7 @@ SECTIONS = [
             "a bf16 head, and in fp32 (the same-dtype control); an fp32 trainer "
             "scores the same tokens with and without replay. `live_*`: the trainer router's own top-k against "
             "the rollout's. Replay overrides the choice, not the router; but replayed layers feed later layers "
-            "hidden states closer to the rollout's, so their live choice moves too. The fp32 head takes 2–3% off "
-            "the logprob mismatch left under replay on these models: the rest is the bf16 network's.",
+            "hidden states closer to the rollout's, so their live choice moves too.",
             replay_mismatch),
     Section("routers", "Router families", "python -m experiments.routers",
             "bf16 engine rollouts scored by an fp32 trainer for each router family (softmax top-k; sigmoid with "
