@@ -59,7 +59,8 @@ def _same_tokens_only(rows: list[dict], ratio: str, same: str = "hf_same_tokens"
 # --- renderers: result dict -> Markdown ----------------------------------------------------------
 
 def demo(d: dict) -> str:
-    cols = ["run", "seeds", "steps", "reward_first", "reward_last", "collapses", "k3_kl", "mean_abs_delta",
+    cols = ["run", "seeds", "steps", "reward_first", "reward_last", "reward_gain", "eval_first", "eval_last",
+            "collapses", "k3_kl", "mean_abs_delta",
             "live_routing_disagreement"]
     rows = [{c: _pm(r.get(c)) for c in cols if c in r} for r in d["runs"]]
     out = _t(rows, cols)
@@ -70,6 +71,15 @@ def demo(d: dict) -> str:
         out += (f"\n\nReplay − no replay, {e['metric']}, paired over seeds {e['seeds']}: "
                 f"{e['replay_minus_none']:+.3g} ± {e['ci95']:.2g} (95% CI): {e['verdict']}.")
     return out
+
+
+def learn_pilot(d: dict) -> str:
+    cols = ["setting", "seeds", "steps", "reward_first", "reward_last", "reward_gain", "eval_first", "eval_last",
+            "eval_gain", "collapses", "learns"]
+    rows = [{c: _pm(r.get(c)) for c in cols} for r in d["rows"]]
+    learned = [r["setting"] for r in d["rows"] if r["learns"]]
+    return _t(rows, cols) + ("\n\nSettings whose reward gain is >= 0.1 with a 95% CI above 0: "
+                             + (", ".join(learned) if learned else "none") + ".")
 
 
 def replay_rl(d: dict) -> str:
@@ -372,6 +382,12 @@ SECTIONS = [
             "one warm start), published with its commit. Mean ± 95% CI half-width over seeds; reward_first / "
             "reward_last: mean over the first / last quarter of the steps.",
             lambda d: demo(d) + "\n\n![demo](../experiments/results/demo.png)"),
+    Section("learn_pilot", "Pilots of a testbed where RL learns", "python -m experiments.learn_pilot",
+            "The demo's task and model without replay, 5 seeds per setting (in-process engine, bf16 rollouts, "
+            "a supervised warm start shared by the seeds). reward_gain: per seed, the training reward over the "
+            "last quarter of the steps minus the first quarter (mean ± 95% CI over seeds; the testbed needs >= 0.1 "
+            "with the CI above 0); eval_*: greedy reward on 16 held-out environments after step 1 and after the "
+            "last. Settings that did not learn are listed too.", learn_pilot),
     Section("replay_rl", "Replay in RL: none, R2 and R3 with bf16 and int8 rollouts", "python -m experiments.replay_rl",
             "Seeds × {no replay, R2 (trainer routes), R3 (rollout routes)} × {bf16, int8 rollouts} from one "
             "warm start, PPO with two minibatch updates per batch, fp32 trainer, on a model with more experts "

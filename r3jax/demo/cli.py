@@ -51,6 +51,9 @@ def parse_args(argv):
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup-steps", type=int, default=30, help="supervised steps on demonstrations")
     ap.add_argument("--warmup-batch", type=int, default=32)
+    ap.add_argument("--eval-every", type=int, default=5,
+                    help="score held-out prompts greedily after step 1, every N steps and the last (0: never)")
+    ap.add_argument("--eval-prompts", type=int, default=16, help="held-out environments (seeds apart from training's)")
     ap.add_argument("--rollout-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--save-every", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)

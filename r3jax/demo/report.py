@@ -16,7 +16,8 @@ import numpy as np
 from r3jax.metrics import collapse_step, mean_ci95
 
 LABEL = {"rollout": "with replay (R3)", "none": "without replay"}
-COLUMNS = ["run", "seeds", "steps", "reward_first", "reward_last", "collapses", "k3_kl", "mean_abs_delta",
+COLUMNS = ["run", "seeds", "steps", "reward_first", "reward_last", "reward_gain", "eval_first", "eval_last",
+           "collapses", "k3_kl", "mean_abs_delta",
            "live_routing_disagreement", "fallback_fraction", "clip_fraction", "grad_norm", "entropy", "route_MiB"]
 PER_RUN = ("k3_kl", "mean_abs_delta", "live_routing_disagreement", "live_token_any_disagreement",
            "fallback_fraction", "clip_fraction", "grad_norm", "entropy")
@@ -74,8 +75,14 @@ def summarize(runs: dict[str, dict[int, list[dict]]]) -> list[dict]:
                    reward_first=_ci([_part(r, "reward", "first") for r in recs]),
                    reward_last=_ci([_part(r, "reward", "last") for r in recs]),
                    reward_last_per_seed=[_part(r, "reward", "last") for r in recs],
+                   # what training achieved: per seed, last-quarter minus first-quarter reward (paired)
+                   reward_gain=_ci([_part(r, "reward", "last") - _part(r, "reward", "first") for r in recs]),
                    collapses=sum(collapse_step([x["reward"] for x in r]) is not None for r in recs),
                    route_MiB=float(np.mean([sum(x["route_bytes"] for x in r) for r in recs]) / 2**20))
+        evals = [[x["eval_reward"] for x in r if "eval_reward" in x] for r in recs]
+        if all(len(e) >= 2 for e in evals):  # held-out greedy reward after step 1 and after the last
+            row.update(eval_first=_ci([e[0] for e in evals]), eval_last=_ci([e[-1] for e in evals]),
+                       eval_gain=_ci([e[-1] - e[0] for e in evals]))
         for key in PER_RUN:
             if all(key in x for r in recs for x in r):
                 per_seed_means = [v for v in (_part(r, key, "all") for r in recs) if not math.isnan(v)]

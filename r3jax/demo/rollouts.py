@@ -97,14 +97,28 @@ class Rollouts:
         return push_to_server(self.url, self.sync_dir, state)
 
 
-def make_loop(args, generator, step: int, *, seed: int | None = None, full_regather: bool = False):
+EVAL_SEEDS = 1 << 31  # held-out environments: env seeds from here on (training's are drawn in [0, 2**31))
+
+
+def make_loop(args, generator, step: int, *, seed: int | None = None, full_regather: bool = False,
+              temperature: float | None = None):
     """The AgentLoop of one RL step (``step`` -1: the warm-up); use it as a context manager."""
     from r3jax.rollout import AgentLoop, make_env
 
     return AgentLoop(generator, lambda: make_env(args.env), max_turns=args.max_turns,
                      max_seq_len=args.max_seq_len, full_regather=full_regather,
                      seed=args.seed * 100_003 + step + 1 if seed is None else seed,
-                     sampling=dict(max_tokens=args.max_tokens, temperature=args.temperature))
+                     sampling=dict(max_tokens=args.max_tokens,
+                                   temperature=args.temperature if temperature is None else temperature))
+
+
+def evaluate(args, generator) -> float:
+    """Mean reward of greedy rollouts on ``args.eval_prompts`` held-out environments: the same seeds at every
+    evaluation, none of them a training seed (those are drawn below ``EVAL_SEEDS``; a toy task's small
+    state space may still repeat a training prompt)."""
+    with make_loop(args, generator, 0, seed=0, temperature=0.0) as loop:
+        trajs = loop.run(args.eval_prompts, 1, env_seeds=[EVAL_SEEDS + i for i in range(args.eval_prompts)])
+    return float(np.mean([t.reward for t in trajs]))
 
 
 def transfer_per_turn(args, rollouts: Rollouts) -> dict:

@@ -26,7 +26,7 @@ from models.hf import load_pretrained
 from r3jax.batch import collate
 from r3jax import run_log
 from r3jax.writers import MetricWriters
-from r3jax.demo.rollouts import Rollouts, make_loop
+from r3jax.demo.rollouts import Rollouts, evaluate, make_loop
 from r3jax.sharding import batch_multiple, shard_batch
 from r3jax.train import (Checkpointer, LossConfig, export_params, group_advantages, init_train_state,
                          load_params, train_step)
@@ -115,6 +115,11 @@ def _step(args, mode: str, step: int, state, mesh, rollouts: Rollouts, ckpt: Che
            "tokens": int(sum(t.num_tokens for t in trajs)), "weight_version": version,
            "rollout_s": t_roll, "step_s": time.perf_counter() - t0}
     rec.update({k: np.asarray(v).tolist() for k, v in metrics.items()})
+    every = getattr(args, "eval_every", 0)
+    if every and (step == 0 or (step + 1) % every == 0 or step + 1 == args.steps):
+        t1 = time.perf_counter()
+        rec["eval_reward"] = evaluate(args, rollouts.generator)  # the weights after this step (synced above)
+        rec["eval_s"] = time.perf_counter() - t1
     return rec, state
 
 

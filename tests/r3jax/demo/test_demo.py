@@ -24,7 +24,8 @@ def _records(path):
 def test_in_process_run_writes_outputs_and_resumes(tmp_path, capsys):
     out = tmp_path / "demo"
     t0 = time.perf_counter()
-    main(SMALL + ["--in-process", "--replay", "rollout", "--out", str(out), "--tensorboard", str(tmp_path / "tb")])
+    main(SMALL + ["--in-process", "--replay", "rollout", "--out", str(out), "--tensorboard", str(tmp_path / "tb"),
+                  "--eval-prompts", "3"])
     wall = time.perf_counter() - t0
     printed = capsys.readouterr().out.strip().splitlines()
     recs = _records(out / "rollout" / "seed0" / "metrics.jsonl")
@@ -44,6 +45,12 @@ def test_in_process_run_writes_outputs_and_resumes(tmp_path, capsys):
     assert (out / "demo.png").stat().st_size > 10_000
     summary = json.loads((out / "summary.json").read_text())
     assert summary["runs"][0]["steps"] == 2 and summary["runs"][0]["seeds"] == [0]
+    # held-out greedy evaluation after step 1 and after the last; the gains are the paired differences
+    assert all(0.0 <= r["eval_reward"] <= 1.0 for r in recs)
+    row = summary["runs"][0]
+    assert row["eval_first"][0] == recs[0]["eval_reward"] and row["eval_last"][0] == recs[1]["eval_reward"]
+    assert row["eval_gain"][0] == pytest.approx(recs[1]["eval_reward"] - recs[0]["eval_reward"])
+    assert row["reward_gain"][0] == pytest.approx(recs[1]["reward"] - recs[0]["reward"])  # quarters of 1 step
     assert summary["replay_effect"] is None  # one mode: nothing to compare
     assert 0 < summary["wall_s"] <= wall + 0.1  # the run's own total, printed last
     assert printed[-1] == f"r3jax demo: done in {summary['wall_s']:.0f} s ({summary['wall_s'] / 60:.1f} min) of wall time"
