@@ -115,7 +115,8 @@ class Episode:
         self.logp += [float(x) for x in logprobs]
         stats = dict(routes_start=self._start, route_rows=rows, route_bytes=nbytes, prompt_tokens=p,
                      cached_tokens=None if out.cached_tokens is None else int(out.cached_tokens), generated_tokens=g,
-                     weight_version=int(out.weight_version))
+                     weight_version=int(out.weight_version),
+                     weight_versions=tuple((int(i), int(v)) for i, v in getattr(out, "weight_versions", ())))
         room = len(self.partial) + g < loop.sampling.max_tokens and len(self.tokens) < loop.max_seq_len
         if out.finish_reason == "abort" and room:
             # a weight update returned this call's tokens mid-turn: the turn goes on from them (its rows

@@ -40,6 +40,7 @@ class TurnStats:
     reward: float
     synthetic_eos: bool
     rerendered_from: int | None = None
+    weight_versions: tuple = ()  # the call's ((first token index, version), ...) spans; () when not said
 
 
 @dataclasses.dataclass
@@ -130,6 +131,21 @@ class Trajectory:
     def starts(self) -> list[int]:
         """The ``routed_experts_prompt_start`` sent on each turn."""
         return [t.routes_start for t in self.turns]
+
+    @property
+    def token_versions(self) -> np.ndarray:
+        """``[N]`` int32: the weight version that sampled each generated token (from each call's
+        ``weight_versions`` spans, or its ``weight_version`` when the generator gave none); -1 on every
+        token the loss does not train (prompt, observations, synthetic EOS)."""
+        out = np.full(self.num_tokens, -1, np.int32)
+        for t in self.turns:
+            spans = t.weight_versions or ((0, t.weight_version),)
+            lo = t.prompt_tokens
+            for j, (first, version) in enumerate(spans):
+                last = spans[j + 1][0] if j + 1 < len(spans) else t.generated_tokens
+                out[lo + first:lo + last] = version
+        out[self.loss_mask == 0] = -1
+        return out
 
     @property
     def rerendered_turns(self) -> int:

@@ -258,3 +258,24 @@ def test_constructor_and_run_validation():
         _loop(gen, max_seq_len=7).run(1, 1)
     with pytest.raises(ValueError, match=r"mode='async': generator"):
         AgentLoop(dataclasses.make_dataclass("G", [])(), ArithmeticEnv, max_turns=1, max_seq_len=8, mode="async")
+
+
+def test_token_versions_follow_each_calls_spans():
+    """A call whose tokens two versions sampled (a weight update with mode "keep" mid-call) gives each
+    token its own version; a call without spans gives all its tokens its weight_version; tokens outside
+    the loss are -1."""
+    from r3jax.rollout import Trajectory, TurnStats
+
+    stats = dict(route_rows=0, route_bytes=0, cached_tokens=0, finish_reason="stop", reward=0.0,
+                 synthetic_eos=False)
+    turns = (TurnStats(routes_start=0, prompt_tokens=3, generated_tokens=4, observation_tokens=2, weight_version=3,
+                       weight_versions=((0, 3), (2, 4)), **stats),
+             TurnStats(routes_start=8, prompt_tokens=9, generated_tokens=2, observation_tokens=0, weight_version=4,
+                       **stats))
+    loss = np.array([1, 1, 1, 1, 0, 0, 1, 1], np.float32)  # 3 prompt tokens, then 4 + 2 observation + 2
+    traj = Trajectory(prompt_ids=np.arange(3, dtype=np.int32), response_ids=np.arange(8, dtype=np.int32),
+                      response_loss_mask=loss, response_logprobs=np.zeros(8, np.float32),
+                      routes=np.zeros((11, 1, 1), np.uint8), captured=np.zeros(11, bool), reward=0.0,
+                      turn_rewards=(0.0, 0.0), turns=turns, weight_version=3, weight_version_changed=True,
+                      finish_reason="done")
+    np.testing.assert_array_equal(traj.token_versions, [-1, -1, -1, 3, 3, 4, 4, -1, -1, 4, 4])

@@ -293,7 +293,7 @@ def test_a_turn_aborted_by_two_weight_updates_keeps_each_segments_routes(engine,
             steps.append(list(action))
             return super().step(action)
 
-    engine.set_weights(versions[0])
+    v0 = engine.set_weights(versions[0])
     try:
         loop = AgentLoop(Updating(), lambda: OneTurn(num_turns=1), max_turns=1, max_seq_len=MAX_SEQ,
                          sampling={"max_tokens": 40, "temperature": 0.0, "stop_token_ids": ()})
@@ -317,3 +317,8 @@ def test_a_turn_aborted_by_two_weight_updates_keeps_each_segments_routes(engine,
             assert not np.array_equal(fwds[j - 1][lo:hi], fwd[lo:hi])
     starts = traj.starts
     assert starts[1] == traj.turns[0].prompt_tokens + traj.turns[0].generated_tokens - 1  # from the cursor
+    # each generated token carries the version that sampled it; the prompt none
+    want = np.full(traj.num_tokens, -1)
+    for j, t in enumerate(traj.turns):
+        want[t.prompt_tokens:t.prompt_tokens + t.generated_tokens] = v0 + j
+    np.testing.assert_array_equal(traj.token_versions, want)
