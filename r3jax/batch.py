@@ -28,7 +28,9 @@ class Batch:
     target; 0 at each segment's first token); advantages [B, S] f32 (the trajectory's advantage on
     its tokens, 0 on padding); rollout_logprobs [B, S] f32 (0 where not generated);
     routes [B, S, L, K] in ``route_dtype(E)``; route_mask [B, S] bool (True where a captured row
-    exists; False rows hold ``0..K-1``)."""
+    exists; False rows hold ``0..K-1``); token_versions [B, S] int32 (the weight version that sampled
+    each generated token, -1 where none did or the trajectory does not say; :func:`mask_stale` reads it),
+    or None (a batch built without it)."""
 
     tokens: jax.Array
     positions: jax.Array
@@ -39,6 +41,7 @@ class Batch:
     rollout_logprobs: jax.Array
     routes: jax.Array
     route_mask: jax.Array
+    token_versions: jax.Array | None = None
 
 
 def _get(traj: Any, i: int, name: str) -> Any:
@@ -98,8 +101,10 @@ def _trajectory(i: int, traj: Any, num_layers: int, top_k: int, num_experts: int
     if np.issubdtype(routes.dtype, np.integer):
         ids = np.where(captured[:, None, None], routes, uncaptured_rows(n, num_layers, top_k, routes.dtype))
     checks.check_route_ids(ids, num_experts, f"trajectories[{i}].routes")
+    versions = getattr(traj, "token_versions", None) if not isinstance(traj, Mapping) else traj.get("token_versions")
+    versions = np.full(n, -1, np.int32) if versions is None else _vector(i, "token_versions", versions, n, "int")
     return {"tokens": tokens, "loss_mask": loss_mask, "rollout_logprobs": logprobs,
-            "advantage": float(adv), "routes": routes, "captured": captured}
+            "advantage": float(adv), "routes": routes, "captured": captured, "token_versions": versions}
 
 
 def bucket_length(length: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
@@ -171,7 +176,7 @@ def collate(trajectories: Sequence[Any], *, seq_len: int | None = None,
            "advantages": np.zeros((b, s), np.float32),
            "rollout_logprobs": np.zeros((b, s), np.float32),
            "routes": np.broadcast_to(fill, (b, s, num_layers, top_k)).copy(),
-           "route_mask": np.zeros((b, s), bool)}
+           "route_mask": np.zeros((b, s), bool), "token_versions": np.full((b, s), -1, np.int32)}
     for r, members in enumerate(rows):
         offset = 0
         for seg, j in enumerate(members, start=1):
@@ -185,8 +190,24 @@ def collate(trajectories: Sequence[Any], *, seq_len: int | None = None,
             out["rollout_logprobs"][r, span] = t["rollout_logprobs"]
             out["routes"][r, span] = np.where(t["captured"][:, None, None], t["routes"], fill)
             out["route_mask"][r, span] = t["captured"]
+            out["token_versions"][r, span] = t["token_versions"]
             offset += n
     return Batch(attention_mask=out["segment_ids"] > 0, **out)
+
+
+def mask_stale(batch: Batch, current_version: int, max_staleness: int) -> tuple[Batch, int]:
+    """``(batch, tokens masked)``: ``batch`` with ``loss_mask`` 0 on every loss-active token sampled more
+    than ``max_staleness`` weight versions before ``current_version`` (``current - version >
+    max_staleness``; tokens of unknown version, -1, are kept). Host-side, on :func:`collate`'s arrays; the
+    count says how many tokens the bound took out, so none is dropped silently."""
+    checks.check_int("current_version", current_version, 0)
+    checks.check_int("max_staleness", max_staleness, 0)
+    if batch.token_versions is None:
+        raise ValueError("mask_stale: batch.token_versions is None: expected a batch from collate")
+    versions = np.asarray(batch.token_versions)
+    loss = np.asarray(batch.loss_mask)
+    stale = (versions >= 0) & (current_version - versions > max_staleness) & (loss != 0)
+    return batch.replace(loss_mask=np.where(stale, 0, loss).astype(loss.dtype)), int(stale.sum())
 
 
 def fill_ratio(batch: Batch) -> float:

@@ -20,13 +20,14 @@ from r3jax.batch import Batch
 
 FORMAT = "r3jax.train.batch_file/1"
 FIELDS = tuple(f.name for f in dataclasses.fields(Batch))
+OPTIONAL = ("token_versions",)  # absent from directories written before it (or from a batch without it)
 
 
 def write_rows(path, batch: Batch) -> Path:
     """Write the host arrays of ``batch`` (e.g. ``collate(...)``) to directory ``path``. Returns it."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    arrays = {f: np.asarray(getattr(batch, f)) for f in FIELDS}
+    arrays = {f: np.asarray(getattr(batch, f)) for f in FIELDS if getattr(batch, f) is not None}
     n, s = arrays["tokens"].shape
     for f, a in arrays.items():
         if a.shape[:2] != (n, s):
@@ -61,4 +62,4 @@ def read_rows(path, rows: slice) -> Batch:
         raise ValueError(f"rows={rows}: expected a slice [start, stop) with 0 <= start < stop <= {n} "
                          f"rows in {path}")
     return Batch(**{f: np.array(np.load(Path(path) / f"{f}.npy", mmap_mode="r")[start:stop])
-                    for f in FIELDS})
+                    for f in FIELDS if (Path(path) / f"{f}.npy").exists() or f not in OPTIONAL})

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from models import MoeConfig, MoeTransformer, Replay
-from r3jax.batch import Batch, collate, fill_ratio, pack_rows
+from r3jax.batch import Batch, collate, fill_ratio, mask_stale, pack_rows
 
 E, L, K = 8, 2, 2
 
@@ -182,3 +182,41 @@ def test_packed_segments_do_not_attend_across_and_replay_aligns():
         np.testing.assert_allclose(pk_logits[row, off:off + n], pad_logits[pad_row, :n], atol=2e-5)
         cap = t["captured"]
         np.testing.assert_array_equal(np.asarray(pk_routes[row, off:off + n])[cap], t["routes"][cap])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_token_versions_reach_the_batch_and_the_staleness_bound_masks_and_counts(packed):
+    """collate puts each trajectory's token_versions where its tokens go (-1 on padding and for a
+    trajectory that has none); mask_stale zeroes the loss of tokens sampled more than max_staleness
+    versions ago, keeps unknown (-1) ones, and says how many it took out."""
+    a, b, c = _traj(7, 0), _traj(9, 1), _traj(5, 2)
+    a["token_versions"] = np.where(a["loss_mask"] > 0, 3, -1).astype(np.int32)
+    b["token_versions"] = np.where(b["loss_mask"] > 0, np.arange(9) % 2 + 5, -1).astype(np.int32)  # 5 and 6
+    batch = collate([a, b, c], seq_len=32, packed=packed, num_experts=E, top_k=K, num_layers=L)
+    seg, tv = np.asarray(batch.segment_ids), np.asarray(batch.token_versions)
+    wants = [t.get("token_versions", np.full(len(t["tokens"]), -1)) for t in (a, b, c)]
+    if packed:  # rows hold several trajectories: the same values, each beside its own tokens
+        toks = np.asarray(batch.tokens)
+        for t, want in zip((a, b, c), wants):
+            for r in range(toks.shape[0]):
+                hit = [i for i in range(toks.shape[1] - len(want) + 1)
+                       if (toks[r, i:i + len(want)] == t["tokens"]).all() and seg[r, i] > 0]
+                if hit:
+                    np.testing.assert_array_equal(tv[r, hit[0]:hit[0] + len(want)], want)
+                    break
+            else:
+                pytest.fail("trajectory not found in the packed batch")
+    else:
+        for j, want in enumerate(wants):
+            np.testing.assert_array_equal(tv[j, :len(want)], want)
+    assert (tv[seg == 0] == -1).all()
+    masked, n = mask_stale(batch, current_version=6, max_staleness=1)  # versions 5, 6 kept; 3 is 3 behind
+    loss, new = np.asarray(batch.loss_mask), np.asarray(masked.loss_mask)
+    tv = np.asarray(batch.token_versions)
+    assert n == int(((tv == 3) & (loss > 0)).sum()) > 0
+    np.testing.assert_array_equal(new, np.where(tv == 3, 0, loss))
+    assert mask_stale(batch, current_version=6, max_staleness=3)[1] == 0
+    none = collate([c], seq_len=32, num_experts=E, top_k=K, num_layers=L)
+    assert (np.asarray(none.token_versions) == -1).all() and mask_stale(none, 9, 0)[1] == 0
+    with pytest.raises(ValueError, match="max_staleness"):
+        mask_stale(batch, 6, -1)
