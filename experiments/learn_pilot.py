@@ -9,7 +9,10 @@ warm start on demonstrations, then GRPO steps, rollouts in bf16 on the in-proces
 training reward over the first and the last quarter of the steps, their paired difference per seed
 (``reward_gain``: the learning signal the testbed must show, goal >= 0.1 with a CI above 0), and the
 greedy reward on held-out environments after step 1 and after the last (``eval_first`` /
-``eval_last``, ``eval_gain``). Settings that did not learn are reported as well. Writes
+``eval_last``, ``eval_gain``), and the trainer router's disagreement with the rollout's routes
+(``live_routing_disagreement``: the mismatch a setting carries; ``--router-noise`` adds simulated
+selection noise to the rollout engine's router to make it material). Settings that did not learn are
+reported as well. Writes
 experiments/results/learn_pilot.json.
 """
 
@@ -26,6 +29,9 @@ from r3jax.demo import main as demo_main
 SETTINGS = {
     "echo lr1e-3 30 steps": ["--env", "echo", "--lr", "1e-3", "--steps", "30"],
     "echo lr3e-3 30 steps": ["--env", "echo", "--lr", "3e-3", "--steps", "30"],
+    # material mismatch for the replay grid: simulated selection noise on the rollout router's logits
+    "echo lr1e-3 30 steps, router noise 0.5": ["--env", "echo", "--lr", "1e-3", "--steps", "30", "--router-noise", "0.5"],
+    "echo lr1e-3 30 steps, router noise 1.0": ["--env", "echo", "--lr", "1e-3", "--steps", "30", "--router-noise", "1.0"],
 }
 QUICK = {"echo lr1e-3 3 steps (quick)": ["--env", "echo", "--lr", "1e-3", "--steps", "3", "--eval-every", "2"]}
 
@@ -56,10 +62,11 @@ def main():
                      "reward_first": row["reward_first"], "reward_last": row["reward_last"], "reward_gain": gain,
                      "eval_first": row.get("eval_first"), "eval_last": row.get("eval_last"),
                      "eval_gain": row.get("eval_gain"), "collapses": row["collapses"],
+                     "live_routing_disagreement": row.get("live_routing_disagreement"),
                      "learns": bool(gain[0] >= 0.1 and gain[0] - gain[1] > 0)})
         print(rows[-1], flush=True)
     cols = ["setting", "seeds", "steps", "reward_first", "reward_last", "reward_gain", "eval_first", "eval_last",
-            "collapses", "learns"]
+            "live_routing_disagreement", "collapses", "learns"]
     fmt = lambda v: f"{v[0]:.3g} ± {v[1]:.2g}" if isinstance(v, list) else v
     print(table([{k: fmt(v) for k, v in r.items()} for r in rows], cols))
     write_json("learn_pilot", {"quick": args.quick, "seeds": seeds, "rows": rows, "wall_s": time.perf_counter() - t0})

@@ -75,7 +75,7 @@ def demo(d: dict) -> str:
 
 def learn_pilot(d: dict) -> str:
     cols = ["setting", "seeds", "steps", "reward_first", "reward_last", "reward_gain", "eval_first", "eval_last",
-            "eval_gain", "collapses", "learns"]
+            "eval_gain", "live_routing_disagreement", "collapses", "learns"]
     rows = [{c: _pm(r.get(c)) for c in cols} for r in d["rows"]]
     learned = [r["setting"] for r in d["rows"] if r["learns"]]
     return _t(rows, cols) + ("\n\nSettings whose reward gain is >= 0.1 with a 95% CI above 0: "
@@ -387,7 +387,8 @@ SECTIONS = [
             "a supervised warm start shared by the seeds). reward_gain: per seed, the training reward over the "
             "last quarter of the steps minus the first quarter (mean ± 95% CI over seeds; the testbed needs >= 0.1 "
             "with the CI above 0); eval_*: greedy reward on 16 held-out environments after step 1 and after the "
-            "last. Settings that did not learn are listed too.", learn_pilot),
+            "last; live_routing_disagreement: the trainer router's top-k against the rollout's (router noise makes "
+            "it material). Settings that did not learn are listed too.", learn_pilot),
     Section("replay_rl", "Replay in RL: none, R2 and R3 with bf16 and int8 rollouts", "python -m experiments.replay_rl",
             "Seeds × {no replay, R2 (trainer routes), R3 (rollout routes)} × {bf16, int8 rollouts} from one "
             "warm start, PPO with two minibatch updates per batch, fp32 trainer, on a model with more experts "

@@ -55,6 +55,8 @@ def parse_args(argv):
                     help="score held-out prompts greedily after step 1, every N steps and the last (0: never)")
     ap.add_argument("--eval-prompts", type=int, default=16, help="held-out environments (seeds apart from training's)")
     ap.add_argument("--rollout-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--router-noise", type=float, default=0.0,
+                    help="simulated selection noise on the rollout engine's router logits (a mismatch knob)")
     ap.add_argument("--save-every", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/demo")

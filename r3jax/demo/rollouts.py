@@ -21,6 +21,7 @@ class ServerProcess:
                "--port", "0", "--max-seq-len", str(args.max_seq_len),
                "--max-batch-size", str(args.prompts * args.samples), "--seed", str(args.seed),
                "--dtype", args.rollout_dtype, "--decode-buckets", str(args.decode_buckets),
+               *(["--router-noise", str(args.router_noise)] if getattr(args, "router_noise", 0.0) else []),
                # compiled programs persist across demo runs: a second `make demo` skips most of warm-up
                "--compilation-cache", str(Path(args.out).resolve().parent / ".jax-compilation-cache")]
         self.log = open(log_path, "w")
@@ -81,7 +82,8 @@ class Rollouts:
             self.url = None
             self.generator = Engine(model, max_seq_len=args.max_seq_len,
                                     max_batch_size=args.prompts * args.samples,
-                                    dtype=getattr(jnp, args.rollout_dtype), decode_buckets=args.decode_buckets)
+                                    dtype=getattr(jnp, args.rollout_dtype), decode_buckets=args.decode_buckets,
+                                    router_noise=getattr(args, "router_noise", 0.0) or None)
         else:
             server = ServerProcess(args, out / "server.log")
             stack.callback(server.stop)

@@ -34,7 +34,7 @@ from r3jax.train.sft import sft_step
 
 # Settings stored with every checkpoint; resuming under other values is allowed and reported.
 HPARAMS = ("config", "env", "lr", "temperature", "prompts", "samples", "max_turns", "max_tokens",
-           "max_seq_len", "rollout_dtype", "seed", "warmup_steps", "warmup_batch")
+           "max_seq_len", "rollout_dtype", "seed", "warmup_steps", "warmup_batch", "router_noise")
 
 
 @functools.lru_cache(maxsize=None)

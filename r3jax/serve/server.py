@@ -98,6 +98,9 @@ def parse_args(argv: list[str], devices=None) -> argparse.Namespace:
                     help="admit a batch only when every slot is free (the old static batching; for benchmarks)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                     help="param and compute dtype (default: the checkpoint's / preset's)")
+    ap.add_argument("--router-noise", type=float, default=None,
+                    help="std of simulated selection noise on the router logits (a train-rollout mismatch knob "
+                         "for experiments: Engine(router_noise=...)); default: the model's (0)")
     ap.add_argument("--logits-dot-in-fp32", action=argparse.BooleanOptionalAction, default=True,
                     help="the LM head in fp32 whatever --dtype (default on: bf16 logprobs without the head's own "
                          "bf16 rounding); --no-logits-dot-in-fp32 computes it in --dtype")
@@ -190,6 +193,7 @@ def build_engine(args: argparse.Namespace):
                   prefill_chunk=args.prefill_chunk, max_num_batched_tokens=args.max_num_batched_tokens,
                   num_pages=args.num_pages, decode_buckets=args.decode_buckets, decode_steps=args.decode_steps,
                   mesh=build_mesh(args.mesh_shape), static=args.static, logits_dot_in_fp32=args.logits_dot_in_fp32,
+                  router_noise=args.router_noise,
                   program_cache=None if args.compilation_cache is None else os.path.join(args.compilation_cache,
                                                                                            "r3jax-programs"))
 

@@ -114,3 +114,24 @@ def test_unmeasured_metric_is_absent_and_prints_na():
     line = table(rows[:1], COLUMNS).splitlines()[-1].split(" | ")
     assert line[COLUMNS.index("live_routing_disagreement")] == "n/a"
     assert line[COLUMNS.index("seeds")] == "[0, 1]" and line[COLUMNS.index("k3_kl")] == "0.001 ± 0"
+
+
+def test_router_noise_reaches_the_rollout_engine_and_the_server_command(tmp_path):
+    """``--router-noise`` (the demo's mismatch knob) builds the in-process engine with that noise and
+    passes it to the server it starts; the model itself stays noiseless (the trainer routes cleanly)."""
+    import contextlib
+
+    from flax import nnx
+
+    from models import MoeConfig, MoeTransformer
+    from r3jax.demo import parse_args
+    from r3jax.demo.rollouts import Rollouts
+    from r3jax.serve.server import parse_args as serve_args
+
+    args = parse_args(SMALL + ["--in-process", "--router-noise", "0.5", "--out", str(tmp_path)])
+    model = MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0))
+    with contextlib.ExitStack() as stack:
+        rollouts = Rollouts(args, model, tmp_path, stack)
+        assert rollouts.generator.config.router_noise == 0.5 and model.config.router_noise == 0.0
+        rollouts.generator.close()
+    assert serve_args(["--router-noise", "0.5"]).router_noise == 0.5 and serve_args([]).router_noise is None
