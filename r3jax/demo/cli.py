@@ -55,6 +55,12 @@ def parse_args(argv):
                     help="score held-out prompts greedily after step 1, every N steps and the last (0: never)")
     ap.add_argument("--eval-prompts", type=int, default=16, help="held-out environments (seeds apart from training's)")
     ap.add_argument("--rollout-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--async", dest="async_rl", action="store_true",
+                    help="asynchronous RL: the next step's rollouts are sampled while the trainer steps; weights "
+                         "are pushed with mode=keep, so a trajectory can span versions")
+    ap.add_argument("--max-staleness", type=int, default=1,
+                    help="with --async: tokens sampled more than this many weight versions before the trained "
+                         "one are masked out of the loss (counted in stale_masked)")
     ap.add_argument("--router-noise", type=float, default=0.0,
                     help="simulated selection noise on the rollout engine's router logits (a mismatch knob)")
     ap.add_argument("--save-every", type=int, default=5)
@@ -71,6 +77,11 @@ def parse_args(argv):
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= 1")
     if args.warmup_steps < 0:
         ap.error(f"--warmup-steps={args.warmup_steps}: expected >= 0")
+    for name in ("max_staleness", "eval_every"):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= 0")
+    if args.router_noise < 0:
+        ap.error(f"--router-noise={args.router_noise}: expected >= 0")
     return args
 
 

@@ -91,12 +91,13 @@ class Rollouts:
             self.generator = RemoteInferenceClient([self.url], timeout=120.0)
             stack.callback(self.generator.close)
 
-    def sync(self, state) -> int:
+    def sync(self, state, mode: str | None = None) -> int:
+        """Push ``state``'s weights; ``mode`` as ``Engine.set_weights`` ("keep" while rollouts run on)."""
         from r3jax.train import push_to_engine, push_to_server
 
         if self.url is None:
-            return push_to_engine(self.generator, state)
-        return push_to_server(self.url, self.sync_dir, state)
+            return push_to_engine(self.generator, state, mode=mode)
+        return push_to_server(self.url, self.sync_dir, state, mode=mode)
 
 
 EVAL_SEEDS = 1 << 31  # held-out environments: env seeds from here on (training's are drawn in [0, 2**31))

@@ -11,7 +11,10 @@ checkpoint write raises (CheckpointWriteError) at the next step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import queue
+import threading
 import time
 from pathlib import Path
 
@@ -23,7 +26,7 @@ from tqdm import tqdm
 
 from models import MoeConfig, MoeTransformer
 from models.hf import load_pretrained
-from r3jax.batch import collate
+from r3jax.batch import collate, mask_stale
 from r3jax import run_log
 from r3jax.writers import MetricWriters
 from r3jax.demo.rollouts import Rollouts, evaluate, make_loop
@@ -34,7 +37,8 @@ from r3jax.train.sft import sft_step
 
 # Settings stored with every checkpoint; resuming under other values is allowed and reported.
 HPARAMS = ("config", "env", "lr", "temperature", "prompts", "samples", "max_turns", "max_tokens",
-           "max_seq_len", "rollout_dtype", "seed", "warmup_steps", "warmup_batch", "router_noise")
+           "max_seq_len", "rollout_dtype", "seed", "warmup_steps", "warmup_batch", "router_noise", "async_rl",
+           "max_staleness")
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,28 +96,45 @@ def _start(args, mode: str, ckpt, state, out: Path):
     return state, 0
 
 
-def _step(args, mode: str, step: int, state, mesh, rollouts: Rollouts, ckpt: Checkpointer):
-    """Rollouts, GRPO advantages, one train_step, weight sync, checkpoint. Returns (record, state)."""
-    cfg = rollouts.model_config
+def _rollout(args, step: int, rollouts: Rollouts):
+    """One step's trajectories and the seconds they took."""
     t0 = time.perf_counter()
     with make_loop(args, rollouts.generator, step) as loop:  # closes its event loop/connections
         trajs = loop.run(args.prompts, args.samples)
-    t_roll = time.perf_counter() - t0
+    return trajs, time.perf_counter() - t0
+
+
+def _step(args, mode: str, step: int, state, mesh, rollouts: Rollouts, ckpt: Checkpointer, *, ready=None,
+          version: int | None = None):
+    """Rollouts (or ``ready``: ``(trajectories, seconds)`` sampled meanwhile), GRPO advantages, one
+    train_step, weight sync, checkpoint. Returns (record, state). ``version``: the weight version the
+    state being trained has (asynchronous runs): tokens sampled more than ``args.max_staleness``
+    versions before it are masked out of the loss and counted; the sync then keeps running requests."""
+    cfg = rollouts.model_config
+    t0 = time.perf_counter()
+    trajs, t_roll = _rollout(args, step, rollouts) if ready is None else ready
     rewards = np.array([t.reward for t in trajs])
     adv = group_advantages(rewards, np.array([t.group for t in trajs]))
     for t, a in zip(trajs, adv):
         t.advantage = float(a)
     batch = collate(trajs, num_experts=cfg.num_experts, top_k=cfg.top_k,
                     num_layers=cfg.num_moe_layers, batch_multiple=batch_multiple(mesh))
+    lag = {}
+    if version is not None:
+        tv, loss = np.asarray(batch.token_versions), np.asarray(batch.loss_mask)
+        known = (tv >= 0) & (loss > 0)
+        lag = {"version_lag_mean": float((version - tv[known]).mean()) if known.any() else 0.0,
+               "version_lag_max": int((version - tv[known]).max()) if known.any() else 0}
+        batch, lag["stale_masked"] = mask_stale(batch, version, args.max_staleness)
     state, metrics = train_step(state, shard_batch(batch, mesh), replay=mode, config=LossConfig())
     metrics = jax.device_get(metrics)
-    version = rollouts.sync(state)
+    version = rollouts.sync(state, mode=None if version is None else "keep")
     ckpt.save(state, data_cursor={"step": step + 1})  # raises if this or an earlier save failed
     rec = {"step": step + 1, "replay": mode, "seed": args.seed, "reward": float(rewards.mean()),
            "route_bytes": int(sum(t.route_bytes for t in trajs)),
            "route_rows": int(sum(t.route_rows for t in trajs)),
            "tokens": int(sum(t.num_tokens for t in trajs)), "weight_version": version,
-           "rollout_s": t_roll, "step_s": time.perf_counter() - t0}
+           "rollout_s": t_roll, "step_s": time.perf_counter() - t0, **lag}
     rec.update({k: np.asarray(v).tolist() for k, v in metrics.items()})
     every = getattr(args, "eval_every", 0)
     if every and (step == 0 or (step + 1) % every == 0 or step + 1 == args.steps):
@@ -121,6 +142,53 @@ def _step(args, mode: str, step: int, state, mesh, rollouts: Rollouts, ckpt: Che
         rec["eval_reward"] = evaluate(args, rollouts.generator)  # the weights after this step (synced above)
         rec["eval_s"] = time.perf_counter() - t1
     return rec, state
+
+
+class Sampler:
+    """Asynchronous RL's rollout side: a thread samples step after step (from ``start``) into a queue of
+    one, so the trainer's step ``t`` runs while step ``t + 1`` is sampled on the weights pushed so far
+    (mode "keep": a trajectory can span versions). ``take()`` returns the next ``(trajectories,
+    seconds)`` or raises what the thread raised."""
+
+    def __init__(self, args, rollouts: Rollouts, start: int):
+        self.args, self.rollouts, self.next = args, rollouts, start
+        self.queue: queue.Queue = queue.Queue(maxsize=1)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="r3jax-demo-sampler", daemon=True)
+
+    def __enter__(self) -> "Sampler":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        while self.thread.is_alive():  # unblock a put waiting for room
+            try:
+                self.queue.get(timeout=0.1)
+            except queue.Empty:
+                pass
+            self.thread.join(timeout=0.1)
+
+    def _run(self) -> None:
+        try:
+            for step in range(self.next, self.args.steps):
+                item = _rollout(self.args, step, self.rollouts)
+                while not self.stop.is_set():
+                    try:
+                        self.queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self.stop.is_set():
+                    return
+        except BaseException as e:  # handed to the trainer, which raises it
+            self.queue.put(e)
+
+    def take(self):
+        item = self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
 
 def run(args, mode: str, warm_model, mesh, rollouts: Rollouts, out: Path) -> list[dict]:
@@ -140,15 +208,21 @@ def run(args, mode: str, warm_model, mesh, rollouts: Rollouts, out: Path) -> lis
         name = f"{mode}-seed{args.seed}"  # one TensorBoard / W&B run per replay mode and seed
         with MetricWriters(out / "metrics.jsonl", tensorboard=None if tb is None else Path(tb) / name, wandb=wandb,
                            run_name=name, config={k: getattr(args, k) for k in HPARAMS}) as log:
-            rollouts.sync(state)
+            version = rollouts.sync(state)
             bar = tqdm(range(start, args.steps), desc=f"replay={mode} seed={args.seed}", disable=args.no_progress,
                        initial=start, total=args.steps)
-            for step in bar:
-                rec, state = _step(args, mode, step, state, mesh, rollouts, ckpt)
-                log.write(rec)
-                records.append(rec)
-                bar.set_postfix(reward=f"{rec['reward']:.3f}", k3=f"{rec['k3_kl']:.1e}",
-                                dis=f"{rec['live_routing_disagreement']:.3f}", bytes=rec["route_bytes"])
+            with Sampler(args, rollouts, start) if getattr(args, "async_rl", False) else contextlib.nullcontext() as ahead:
+                for step in bar:
+                    if ahead is None:
+                        rec, state = _step(args, mode, step, state, mesh, rollouts, ckpt)
+                    else:  # the next step's rollouts are sampled while this one trains
+                        rec, state = _step(args, mode, step, state, mesh, rollouts, ckpt, ready=ahead.take(),
+                                           version=version)
+                        version = rec["weight_version"]
+                    log.write(rec)
+                    records.append(rec)
+                    bar.set_postfix(reward=f"{rec['reward']:.3f}", k3=f"{rec['k3_kl']:.1e}",
+                                    dis=f"{rec['live_routing_disagreement']:.3f}", bytes=rec["route_bytes"])
         if records and not ckpt.should_save(records[-1]["step"]):
             ckpt.save(state, data_cursor={"step": records[-1]["step"]}, force=True)  # resume from the end
         ckpt.wait()  # raises CheckpointWriteError if the last save failed

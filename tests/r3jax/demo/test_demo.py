@@ -135,3 +135,20 @@ def test_router_noise_reaches_the_rollout_engine_and_the_server_command(tmp_path
         assert rollouts.generator.config.router_noise == 0.5 and model.config.router_noise == 0.0
         rollouts.generator.close()
     assert serve_args(["--router-noise", "0.5"]).router_noise == 0.5 and serve_args([]).router_noise is None
+
+
+def test_async_run_samples_ahead_and_bounds_staleness(tmp_path):
+    """``--async``: the next step's rollouts are sampled while the trainer steps and weights are pushed with
+    mode "keep"; each step says how many versions old its tokens were, and with ``--max-staleness 0``
+    every token sampled before the trained version is masked out of the loss and counted."""
+    out = tmp_path / "demo"
+    main(SMALL + ["--steps", "3", "--in-process", "--replay", "rollout", "--out", str(out), "--async",
+                  "--max-staleness", "0", "--eval-every", "0"])
+    recs = _records(out / "rollout" / "seed0" / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    versions = [r["weight_version"] for r in recs]
+    assert versions == list(range(versions[0], versions[0] + 3))  # one push per step
+    assert recs[0]["version_lag_max"] == 0 and recs[0]["stale_masked"] == 0  # sampled by the trained weights
+    for r in recs:
+        assert 0 <= r["version_lag_mean"] <= r["version_lag_max"] <= 2
+        assert (r["stale_masked"] > 0) == (r["version_lag_max"] > 0)  # bound 0: every older token masked
