@@ -30,8 +30,8 @@ SETTINGS = {
     "echo lr1e-3 30 steps": ["--env", "echo", "--lr", "1e-3", "--steps", "30"],
     "echo lr3e-3 30 steps": ["--env", "echo", "--lr", "3e-3", "--steps", "30"],
     # material mismatch for the replay grid: simulated selection noise on the rollout router's logits
-    "echo lr1e-3 30 steps, router noise 0.5": ["--env", "echo", "--lr", "1e-3", "--steps", "30", "--router-noise", "0.5"],
-    "echo lr1e-3 30 steps, router noise 1.0": ["--env", "echo", "--lr", "1e-3", "--steps", "30", "--router-noise", "1.0"],
+    **{f"echo lr1e-3 30 steps, router noise {sigma}": ["--env", "echo", "--lr", "1e-3", "--steps", "30",
+                                                       "--router-noise", sigma] for sigma in ("0.1", "0.25", "0.5")},
 }
 QUICK = {"echo lr1e-3 3 steps (quick)": ["--env", "echo", "--lr", "1e-3", "--steps", "3", "--eval-every", "2"]}
 
