@@ -23,7 +23,10 @@ class LossConfig:
     (``clip_eps_high=None`` means symmetric). tis_cap: None for the plain surrogate whose ratio is
     taken against the rollout logprobs; a float C switches to truncated importance sampling: the
     surrogate's ratio is taken against the trainer's own (stop-gradient) logprobs and every token
-    is weighted by ``min(π_train / π_rollout, C)`` (stop-gradient). kl_coef: weight of the k3 KL to
+    is weighted by ``min(π_train / π_rollout, C)`` (stop-gradient). icepop: None, or ``(α, β)`` for
+    IcePop (arXiv 2510.18855): as TIS, but the weight is ``π_train / π_rollout`` where it lies in
+    ``[α, β]`` and 0 outside, so tokens whose training and rollout probabilities disagree too much are
+    masked out of the gradient instead of capped (not with tis_cap). kl_coef: weight of the k3 KL to
     a reference policy (needs ``ref_logprobs``). aux_coef: weight of the router load-balancing
     loss; None takes the model config's ``router_aux_loss_coef`` (:func:`aux_coefficient`; a model
     without one needs an explicit aux_coef). bias_update_rate: DeepSeek-V3's
@@ -49,6 +52,7 @@ class LossConfig:
     clip_eps: float = 0.2
     clip_eps_high: float | None = None
     tis_cap: float | None = None
+    icepop: tuple[float, float] | None = None
     kl_coef: float = 0.0
     aux_coef: float | None = None
     bias_update_rate: float = 0.0
@@ -64,6 +68,11 @@ class LossConfig:
             ("clip_eps", 0.0 < self.clip_eps < 1.0, "in (0, 1)"),
             ("clip_eps_high", self.clip_eps_high is None or self.clip_eps_high > 0.0, "None or > 0"),
             ("tis_cap", self.tis_cap is None or self.tis_cap >= 1.0, "None or >= 1"),
+            ("icepop", self.icepop is None or (isinstance(self.icepop, tuple) and len(self.icepop) == 2
+                                               and all(real(v) for v in self.icepop)
+                                               and 0.0 < self.icepop[0] <= 1.0 <= self.icepop[1]),
+             "None or a tuple (α, β) with 0 < α <= 1 <= β"),
+            ("icepop", self.icepop is None or self.tis_cap is None, "None when tis_cap is set (one correction)"),
             ("kl_coef", self.kl_coef >= 0.0, ">= 0"),
             ("aux_coef", self.aux_coef is None or self.aux_coef >= 0.0, "None or >= 0"),
             ("bias_update_rate", self.bias_update_rate >= 0.0, ">= 0"),
@@ -77,6 +86,12 @@ class LossConfig:
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"LossConfig.{name}={getattr(self, name)!r}: expected {expected}")
+
+    @property
+    def corrects(self) -> bool:
+        """Whether the loss weighs tokens by π_train / π_rollout (TIS or IcePop): its surrogate ratio is
+        then taken against the trainer's own pre-update logprobs (``old_logprobs``)."""
+        return self.tis_cap is not None or self.icepop is not None
 
 
 def aux_coefficient(config: LossConfig, model_config) -> float:
@@ -137,21 +152,27 @@ def policy_loss(logprobs, rollout_logprobs, advantages, loss_mask, config: LossC
     logprobs [B, S] (trainer, differentiable), rollout_logprobs [B, S], advantages [B, S],
     ref_logprobs [B, S] or None, old_logprobs [B, S] or None (with ``tis_cap``: the trainer's
     pre-update logprobs; None takes stop_gradient(logprobs), exact on a batch's first update; without
-    ``tis_cap`` they are not used). Returns ``(loss, stats)`` where loss = pg_loss + kl_coef * kl_ref
-    and stats holds pg_loss, clip_fraction (targets where the clipped branch was taken),
-    importance_weight (mean truncated weight; 1 without tis_cap) and kl_ref when used.
+    ``tis_cap`` / ``icepop`` they are not used). Returns ``(loss, stats)`` where loss = pg_loss + kl_coef *
+    kl_ref and stats holds pg_loss, clip_fraction (targets where the clipped branch was taken),
+    importance_weight (mean weight; 1 without a correction), icepop_masked (the share of targets IcePop
+    took out) and kl_ref when used.
     Values at masked-out positions (padding) are zeroed before any exp, so garbage there is inert.
     """
     m = jnp.asarray(loss_mask) > 0
     lp = jnp.where(m, logprobs, 0.0)
     old = jnp.where(m, jnp.asarray(rollout_logprobs, jnp.float32), 0.0)
     adv = jnp.where(m, jnp.asarray(advantages, jnp.float32), 0.0)
-    if config.tis_cap is None:
+    if not config.corrects:
         behaviour, weight = old, jnp.ones_like(lp)
     else:
         behaviour = jax.lax.stop_gradient(lp if old_logprobs is None
                                           else jnp.where(m, jnp.asarray(old_logprobs, jnp.float32), 0.0))
-        weight = jnp.minimum(jnp.exp(behaviour - old), config.tis_cap)
+        k = jnp.exp(behaviour - old)  # π_train / π_rollout
+        if config.tis_cap is not None:
+            weight = jnp.minimum(k, config.tis_cap)
+        else:
+            lo, hi = config.icepop
+            weight = jnp.where((k >= lo) & (k <= hi), k, 0.0)
     ratio = jnp.exp(lp - behaviour)
     high = config.clip_eps if config.clip_eps_high is None else config.clip_eps_high
     unclipped = ratio * adv
@@ -162,6 +183,8 @@ def policy_loss(logprobs, rollout_logprobs, advantages, loss_mask, config: LossC
         "clip_fraction": masked_mean((clipped < unclipped).astype(jnp.float32), m),
         "importance_weight": masked_mean(weight, m),
     }
+    if config.icepop is not None:
+        stats["icepop_masked"] = masked_mean((weight == 0).astype(jnp.float32), m)
     loss = pg_loss
     if config.kl_coef > 0.0:
         log_r = jnp.where(m, jnp.asarray(ref_logprobs, jnp.float32), 0.0) - lp  # log π_ref / π

@@ -44,7 +44,7 @@ def ppo_update(state: TrainState, batch, *, replay: str, config: LossConfig = Lo
         raise ValueError(f"num_minibatches={num_minibatches}: expected a divisor of the batch size B={b}")
     if replay == "trainer" and trainer_routes is None:
         trainer_routes = record_trainer_routes(state, batch)  # the old policy's routes, once
-    if config.tis_cap is not None and old_logprobs is None and epochs * num_minibatches > 1:
+    if config.corrects and old_logprobs is None and epochs * num_minibatches > 1:
         old_logprobs = record_old_logprobs(state, batch, replay=replay, config=config,
                                            trainer_routes=trainer_routes)  # π_old, once
     size = b // num_minibatches

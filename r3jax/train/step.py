@@ -260,9 +260,9 @@ def _run(kind, state, batch, replay, config, ref_logprobs, trainer_routes=None, 
         raise ValueError(f"replay={replay!r} with trainer_routes="
                          f"{'None' if trainer_routes is None else 'given'}: expected trainer_routes = "
                          "record_trainer_routes(state, batch) exactly when replay='trainer'")
-    if old_logprobs is not None and config.tis_cap is None:
+    if old_logprobs is not None and not config.corrects:
         raise ValueError("old_logprobs given with LossConfig.tis_cap=None: expected old_logprobs only with "
-                         "tis_cap (the plain surrogate's ratio is taken against the rollout logprobs)")
+                         "tis_cap or icepop (the plain surrogate's ratio is taken against the rollout logprobs)")
     c = _lookup(kind, state, replay, config, ref_logprobs is not None, old_logprobs is not None)
     validate_batch(batch, c.model_config, c.mesh)
     for name, x in (("ref_logprobs", ref_logprobs), ("old_logprobs", old_logprobs)):

@@ -111,3 +111,23 @@ def test_tis_ratio_is_taken_against_the_old_logprobs():
     assert float(stats["importance_weight"]) == pytest.approx(1.25, abs=1e-6)
     grad = np.asarray(jax.grad(lambda x: policy_loss(x, rollout, adv, _row(1, 1), cfg, old_logprobs=old_train)[0])(lp))
     np.testing.assert_allclose(grad, [[0.0, 0.0]], atol=1e-6)  # both clipped: no gradient
+
+
+def test_icepop_masks_tokens_whose_ratio_leaves_the_band():
+    """IcePop (α, β) = (0.5, 2): weights π_train / π_rollout inside the band, 0 outside (not capped, as TIS
+    would): of ratios 3, 1.5, 0.25 and 0.5 only 1.5 and 0.5 count."""
+    old = _row(-1.0, -1.0, -1.0, -1.0)
+    lp = old + _row(math.log(3.0), math.log(1.5), math.log(0.25), math.log(0.5))
+    adv = _row(1.0, 1.0, 1.0, 1.0)
+    cfg = LossConfig(icepop=(0.5, 2.0))
+    loss, stats = policy_loss(lp, old, adv, _row(1, 1, 1, 1), cfg)
+    assert float(loss) == pytest.approx(-(1.5 + 0.5) / 4, abs=1e-6)  # ratio vs the trainer's own: 1
+    assert float(stats["icepop_masked"]) == pytest.approx(0.5) and float(stats["importance_weight"]) == \
+        pytest.approx((1.5 + 0.5) / 4, abs=1e-6)
+    grad = np.asarray(jax.grad(lambda x: policy_loss(x, old, adv, _row(1, 1, 1, 1), cfg)[0])(lp))
+    np.testing.assert_allclose(grad, [[0.0, -1.5 / 4, 0.0, -0.5 / 4]], atol=1e-6)  # masked tokens: no gradient
+    assert cfg.corrects and LossConfig(tis_cap=2.0).corrects and not LossConfig().corrects
+    for bad, msg in ((dict(icepop=(2.0, 5.0)), "icepop"), (dict(icepop=(0.5,)), "icepop"),
+                     (dict(icepop=(0.5, 2.0), tis_cap=2.0), "one correction")):
+        with pytest.raises(ValueError, match=msg):
+            LossConfig(**bad)
