@@ -34,7 +34,13 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m r3jax demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="tiny", help="model preset or Hugging Face directory")
     ap.add_argument("--env", default="echo", help="built-in environment (echo, arithmetic, guess_number)")
-    ap.add_argument("--replay", default="both", choices=["both", "rollout", "none"])
+    ap.add_argument("--replay", default="both", choices=["both", "rollout", "trainer", "none"],
+                    help="rollout: R3 (the rollout's routes); trainer: R2 (the trainer's pre-update routes); "
+                         "none: live routing; both: rollout and none, from one warm start")
+    ap.add_argument("--tis-cap", type=float, default=None,
+                    help="truncated importance sampling: weigh each token by min(pi_train / pi_rollout, C)")
+    ap.add_argument("--icepop", type=float, nargs=2, default=None, metavar=("ALPHA", "BETA"),
+                    help="IcePop: weigh each token by pi_train / pi_rollout inside [ALPHA, BETA], mask it outside")
     ap.add_argument("--in-process", action="store_true", help="in-process engine instead of the server")
     ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     ap.add_argument("--steps", type=int, default=20, help="RL steps per run")
@@ -82,7 +88,18 @@ def parse_args(argv):
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= 0")
     if args.router_noise < 0:
         ap.error(f"--router-noise={args.router_noise}: expected >= 0")
+    try:
+        loss_config(args)
+    except ValueError as e:  # LossConfig names the field, the value and the expectation
+        ap.error(f"{e} (from --tis-cap / --icepop)")
     return args
+
+
+def loss_config(args):
+    """The demo's LossConfig: the defaults, with --tis-cap or --icepop."""
+    from r3jax.train import LossConfig
+
+    return LossConfig(tis_cap=args.tis_cap, icepop=None if args.icepop is None else tuple(args.icepop))
 
 
 def main(argv=None) -> dict:

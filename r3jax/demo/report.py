@@ -15,7 +15,7 @@ import numpy as np
 
 from r3jax.metrics import collapse_step, mean_ci95
 
-LABEL = {"rollout": "with replay (R3)", "none": "without replay"}
+LABEL = {"rollout": "with replay (R3)", "trainer": "trainer routes (R2)", "none": "without replay"}
 COLUMNS = ["run", "seeds", "steps", "reward_first", "reward_last", "reward_gain", "eval_first", "eval_last",
            "collapses", "k3_kl", "mean_abs_delta",
            "live_routing_disagreement", "fallback_fraction", "clip_fraction", "grad_norm", "entropy", "route_MiB"]

@@ -29,16 +29,17 @@ from models.hf import load_pretrained
 from r3jax.batch import collate, mask_stale
 from r3jax import run_log
 from r3jax.writers import MetricWriters
+from r3jax.demo.cli import loss_config
 from r3jax.demo.rollouts import Rollouts, evaluate, make_loop
 from r3jax.sharding import batch_multiple, shard_batch
-from r3jax.train import (Checkpointer, LossConfig, export_params, group_advantages, init_train_state,
-                         load_params, train_step)
+from r3jax.train import (Checkpointer, export_params, group_advantages, init_train_state, load_params,
+                         record_trainer_routes, train_step)
 from r3jax.train.sft import sft_step
 
 # Settings stored with every checkpoint; resuming under other values is allowed and reported.
 HPARAMS = ("config", "env", "lr", "temperature", "prompts", "samples", "max_turns", "max_tokens",
            "max_seq_len", "rollout_dtype", "seed", "warmup_steps", "warmup_batch", "router_noise", "async_rl",
-           "max_staleness")
+           "max_staleness", "tis_cap", "icepop")
 
 
 @functools.lru_cache(maxsize=None)
@@ -126,7 +127,9 @@ def _step(args, mode: str, step: int, state, mesh, rollouts: Rollouts, ckpt: Che
         lag = {"version_lag_mean": float((version - tv[known]).mean()) if known.any() else 0.0,
                "version_lag_max": int((version - tv[known]).max()) if known.any() else 0}
         batch, lag["stale_masked"] = mask_stale(batch, version, args.max_staleness)
-    state, metrics = train_step(state, shard_batch(batch, mesh), replay=mode, config=LossConfig())
+    batch = shard_batch(batch, mesh)
+    routes = record_trainer_routes(state, batch) if mode == "trainer" else None  # R2: the pre-update routes
+    state, metrics = train_step(state, batch, replay=mode, config=loss_config(args), trainer_routes=routes)
     metrics = jax.device_get(metrics)
     version = rollouts.sync(state, mode=None if version is None else "keep")
     ckpt.save(state, data_cursor={"step": step + 1})  # raises if this or an earlier save failed

@@ -152,3 +152,19 @@ def test_async_run_samples_ahead_and_bounds_staleness(tmp_path):
     for r in recs:
         assert 0 <= r["version_lag_mean"] <= r["version_lag_max"] <= 2
         assert (r["stale_masked"] > 0) == (r["version_lag_max"] > 0)  # bound 0: every older token masked
+
+
+def test_r2_and_the_importance_corrections_run_in_the_demo(tmp_path):
+    """``--replay trainer`` (R2) trains on the trainer's recorded routes; ``--tis-cap`` and ``--icepop`` reach
+    the loss (its metrics say so); bad values are refused naming the field."""
+    out = tmp_path / "demo"
+    main(SMALL + ["--in-process", "--replay", "trainer", "--icepop", "0.5", "2.0", "--eval-every", "0",
+                  "--out", str(out)])
+    [rec] = _records(out / "trainer" / "seed0" / "metrics.jsonl")[-1:]
+    assert 0.0 <= rec["icepop_masked"] <= 1.0 and rec["importance_weight"] > 0
+    main(SMALL + ["--in-process", "--replay", "rollout", "--tis-cap", "2.0", "--eval-every", "0",
+                  "--out", str(tmp_path / "tis")])
+    [rec] = _records(tmp_path / "tis" / "rollout" / "seed0" / "metrics.jsonl")[-1:]
+    assert "icepop_masked" not in rec and 0 < rec["importance_weight"] <= 2.0
+    with pytest.raises(SystemExit):
+        main(SMALL + ["--icepop", "2.0", "5.0", "--out", str(tmp_path / "bad")])
