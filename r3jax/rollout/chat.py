@@ -22,6 +22,7 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from r3jax.rollout.concurrent import drive_all
 from r3jax.rollout.env import check_prefix
 from r3jax.rollout.episode import MissingRoutesError
 from r3jax.rollout.sampling import request_seed
@@ -230,11 +231,4 @@ async def drive_chat(episodes: Sequence[ChatEpisode], client: Any, max_concurren
                 raise ValueError(f"achat returned {len(outs)} outputs for 1 request")
             e.consume(outs[0])
 
-    tasks = [asyncio.create_task(drive(e)) for e in episodes]
-    try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+    await drive_all(episodes, drive)

@@ -5,7 +5,7 @@ them. An episode never waits for another's turn."""
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from r3jax.engine import GenerateRequest
 from r3jax.rollout.episode import Episode
@@ -26,6 +26,11 @@ async def drive_concurrently(episodes: Sequence[Episode],
                 raise ValueError(f"generator returned {len(outs)} outputs for 1 request")
             e.consume(outs[0])
 
+    await drive_all(episodes, drive)
+
+
+async def drive_all(episodes: Sequence, drive: Callable[[Any], Awaitable[None]]) -> None:
+    """``drive(e)`` for every episode as its own task; the first failure cancels the others and is raised."""
     tasks = [asyncio.create_task(drive(e)) for e in episodes]
     try:
         await asyncio.gather(*tasks)
