@@ -35,10 +35,11 @@ def load(path: Path, fixed: dict) -> dict:
     return result
 
 
-def save(path: Path, result: dict, command: str) -> dict:
-    """Re-derive the summary and write the result atomically (a kill mid-write leaves the old file)."""
+def save(path: Path, result: dict, command: str, summarize=None) -> dict:
+    """Re-derive the summary (``summarize(runs, seeds_wanted, provenance)``, default the dose grid's) and
+    write the result atomically (a kill mid-write leaves the old file)."""
     runs = result["runs"]
-    result.update(ds.summarize(runs, result["seeds_wanted"], result["run_provenance"]))
+    result.update((summarize or ds.summarize)(runs, result["seeds_wanted"], result["run_provenance"]))
     # complete: every (cell, seed) any invocation asked for has finished
     result["complete"] = all(seed in runs.get(cell, {}) for cell, seed in
                              (g.rsplit("#", 1) for g in result["grid"]))
@@ -105,7 +106,7 @@ def drop_superseded(result: dict, arm_defs: dict[str, dict]) -> list[str]:
 
 def run_grid(path: Path, fixed: dict, settings: list, arms: list[str], seeds: int,
              run_one: Callable[[object, str, int], list[dict]], *, command: str, on_done=None,
-             arm_defs: dict[str, dict] | None = None) -> dict:
+             arm_defs: dict[str, dict] | None = None, summarize=None) -> dict:
     """Run every missing (setting, arm, seed) of the grid, settings outermost (a stopped grid has whole
     settings), storing each run as it finishes. ``run_one(setting, arm, seed)`` -> per-step records.
     A cell is complete with ``seeds`` seeds (the latest invocation's number). ``arm_defs[arm]``: the
@@ -121,7 +122,7 @@ def run_grid(path: Path, fixed: dict, settings: list, arms: list[str], seeds: in
             result = load(path, fixed)
             result.setdefault("claims", {})
             out = change(result)
-            return save(path, result, command), out
+            return save(path, result, command, summarize), out
 
     def register(result):
         for st in settings:

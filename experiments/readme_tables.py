@@ -82,6 +82,14 @@ def learn_pilot(d: dict) -> str:
                              + (", ".join(learned) if learned else "none") + ".")
 
 
+def replay_learn(d: dict) -> str:
+    from experiments.replay_learn import tables
+
+    cells = {k: v for k, v in d["cells"].items() if v["complete"]}
+    note = "" if d.get("complete") else "\n\nThe grid is not complete: cells with fewer seeds than asked are left out."
+    return tables({"cells": cells, "comparisons": d["comparisons"]}) + note
+
+
 def replay_rl(d: dict) -> str:
     rows = [{"arm": arm, "seeds": a["seeds"],
              "final_reward": f"{a['final_reward_mean']:.3f} ± {a['final_reward_ci95']:.3f}",
@@ -389,6 +397,13 @@ SECTIONS = [
             "with the CI above 0); eval_*: greedy reward on 16 held-out environments after step 1 and after the "
             "last; live_routing_disagreement: the trainer router's top-k against the rollout's (router noise makes "
             "it material). Settings that did not learn are listed too.", learn_pilot),
+    Section("replay_learn", "Replay where RL learns: none, R2, R3, TIS, R3 + TIS and IcePop",
+            "python -m experiments.replay_learn",
+            "The learning testbed (the demo's echo task, tiny model, 30 GRPO steps at lr 1e-3 from a supervised "
+            "warm start; in-process engine, bf16 rollouts, fp32 trainer) per setting and arm, 5 seeds paired "
+            "across arms. Settings: bf16 rollouts alone, and simulated router noise σ = 0.25 on the rollout "
+            "engine (material live disagreement). Mean ± 95% CI over seeds; comparisons: the paired difference "
+            "of the last-quarter reward from no replay.", replay_learn),
     Section("replay_rl", "Replay in RL: none, R2 and R3 with bf16 and int8 rollouts", "python -m experiments.replay_rl",
             "Seeds × {no replay, R2 (trainer routes), R3 (rollout routes)} × {bf16, int8 rollouts} from one "
             "warm start, PPO with two minibatch updates per batch, fp32 trainer, on a model with more experts "
