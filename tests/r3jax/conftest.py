@@ -137,6 +137,33 @@ class FakeEngine:
 SKYRL_DIR = REPO / ".venv" / "peers" / "skyrl-0.4.0"  # unpacked by `make venv` (Makefile: skyrl-client)
 
 
+def update_mid_call(engine, requests, params, mode: str, at: int = 3):
+    """Submit ``requests``; once the first has sampled ``at`` tokens, hold the scheduler (inside its token
+    callback) until ``engine.set_weights(params, mode=mode)`` is queued, so the update lands mid-request
+    whatever the machine's speed. Returns (futures, new version)."""
+    import threading
+    import time
+
+    ready, queued, count, result = threading.Event(), threading.Event(), [0], {}
+
+    def on_token(token, logprob):
+        count[0] += 1
+        if count[0] == at:
+            ready.set()
+            queued.wait(60)
+
+    futures = [engine.submit(requests[0], on_token=on_token)] + [engine.submit(r) for r in requests[1:]]
+    assert ready.wait(60)
+    swap = threading.Thread(target=lambda: result.setdefault("v", engine.set_weights(params, mode=mode)))
+    swap.start()
+    deadline = time.monotonic() + 60
+    while not engine._sched.controls and time.monotonic() < deadline:
+        time.sleep(0.001)
+    queued.set()
+    swap.join(120)
+    return futures, result["v"]
+
+
 @pytest.fixture(scope="session")
 def skyrl_client():
     """SkyRL 0.4.0's own client modules, imported from its unpacked wheel: ``(remote_inference_client,
@@ -169,4 +196,5 @@ def serve_helpers():
     h = H()
     h.wait_healthy, h.thread_server, h.ThreadServer = wait_healthy, thread_server, ThreadServer
     h.free_port, h.start_process, h.FakeEngine, h.REPO = free_port, start_process, FakeEngine, REPO
+    h.update_mid_call = update_mid_call
     return h

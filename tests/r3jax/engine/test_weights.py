@@ -114,31 +114,7 @@ def test_prefix_cache_after_a_weight_change_serves_the_new_weights_routes(engine
     engine.set_weights(params)
 
 
-def _swap_mid_request(engine, reqs, params, mode, at=3):
-    """Submit ``reqs``; once request 0 has sampled ``at`` tokens, hold the scheduler (inside its token
-    callback) until ``set_weights(params, mode=mode)`` is queued, so the swap lands mid-request whatever
-    the machine's speed. Returns (futures, new version)."""
-    ready, queued, count, result = threading.Event(), threading.Event(), [0], {}
-
-    def on_token(token, logprob):
-        count[0] += 1
-        if count[0] == at:
-            ready.set()
-            queued.wait(60)
-
-    futures = [engine.submit(reqs[0], on_token=on_token)] + [engine.submit(r) for r in reqs[1:]]
-    assert ready.wait(60)
-    swap = threading.Thread(target=lambda: result.setdefault("v", engine.set_weights(params, mode=mode)))
-    swap.start()
-    deadline = time.monotonic() + 60
-    while not engine._sched.controls and time.monotonic() < deadline:
-        time.sleep(0.001)
-    queued.set()
-    swap.join(120)
-    return futures, result["v"]
-
-
-def test_keep_goes_on_with_the_new_weights_and_says_where(engine, weights):
+def test_keep_goes_on_with_the_new_weights_and_says_where(engine, weights, serve_helpers):
     """mode "keep": running requests continue on the new weights from the next device step; each output's
     weight_versions spans say which tokens which version sampled; tokens and route rows before the switch
     are the old weights' (greedy); a request that spans the swap indexes no page, and the old pages are
@@ -147,7 +123,7 @@ def test_keep_goes_on_with_the_new_weights_and_says_where(engine, weights):
     reqs = [_req(i, n=48) for i in range(3)]
     old = engine.generate(reqs)
     v0 = engine.weight_version
-    futures, v1 = _swap_mid_request(engine, reqs, scaled, "keep")
+    futures, v1 = serve_helpers.update_mid_call(engine, reqs, scaled, "keep")
     assert v1 == v0 + 1
     outs = [f.result(timeout=60) for f in futures]
     switched = 0
@@ -173,7 +149,7 @@ def test_keep_goes_on_with_the_new_weights_and_says_where(engine, weights):
     engine.set_weights(params)
 
 
-def test_abort_mode_returns_what_each_request_has_and_a_resubmission_goes_on(engine, weights):
+def test_abort_mode_returns_what_each_request_has_and_a_resubmission_goes_on(engine, weights, serve_helpers):
     """mode "abort": each running request that has a token returns it with finish_reason "abort": its
     tokens, logprobs and route rows [s, P + G - 1) are the old weights' (greedy); one without a token runs
     again on the new weights. Resubmitting prompt + tokens (rows from the trace's cursor) goes on there."""
@@ -181,7 +157,7 @@ def test_abort_mode_returns_what_each_request_has_and_a_resubmission_goes_on(eng
     reqs = [_req(i, n=48) for i in range(3)]
     old = engine.generate(reqs)
     aborted = engine.stats["aborted"]
-    futures, v1 = _swap_mid_request(engine, reqs, scaled, "abort")
+    futures, v1 = serve_helpers.update_mid_call(engine, reqs, scaled, "abort")
     outs = [f.result(timeout=60) for f in futures]
     assert outs[0].finish_reason == "abort"
     n_aborted = 0

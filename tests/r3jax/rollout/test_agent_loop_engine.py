@@ -239,37 +239,15 @@ def test_chat_loop_detects_a_template_that_is_not_prefix_stable(chat_server, mod
 
 # ---- a turn across weight updates ----------------------------------------------------------------
 
-def test_a_turn_aborted_by_two_weight_updates_keeps_each_segments_routes(engine, model):
+def test_a_turn_aborted_by_two_weight_updates_keeps_each_segments_routes(engine, model, serve_helpers):
     """A partial rollout: a turn is aborted twice mid-call by weight updates (``set_weights(mode="abort")``
     held until the call has 3 tokens), and the loop resubmits prompt + tokens from the trace's cursor each
     time. The trajectory's route rows equal, segment by segment, what that segment's weights produce at
     those positions (a full forward with them), never recomputed by a later version; the environment
     sees the whole turn once."""
-    import threading
-    import time
-
+    update_mid_call = serve_helpers.update_mid_call
     _, params, _ = nnx.split(model, nnx.Param, ...)
     versions = [params, jax.tree.map(lambda x: x * 1.5, params), jax.tree.map(lambda x: x * 0.6, params)]
-
-    def aborted_mid_call(req, new_weights):
-        ready, queued, count = threading.Event(), threading.Event(), [0]
-
-        def on_token(token, logprob):
-            count[0] += 1
-            if count[0] == 3:
-                ready.set()
-                queued.wait(60)
-
-        fut = engine.submit(req, on_token=on_token)
-        assert ready.wait(60)
-        swap = threading.Thread(target=engine.set_weights, args=(new_weights,), kwargs={"mode": "abort"})
-        swap.start()
-        deadline = time.monotonic() + 60
-        while not engine._sched.controls and time.monotonic() < deadline:
-            time.sleep(0.001)
-        queued.set()
-        swap.join(120)
-        return fut.result(timeout=60)
 
     class Updating:
         """The engine; its first two calls are aborted by an update to the next weights."""
@@ -279,7 +257,8 @@ def test_a_turn_aborted_by_two_weight_updates_keeps_each_segments_routes(engine,
         def generate(self, requests):
             [req] = requests
             if self.calls < 2:
-                out = aborted_mid_call(req, versions[self.calls + 1])
+                [fut], _ = update_mid_call(engine, [req], versions[self.calls + 1], "abort")
+                out = fut.result(timeout=60)
                 assert out.finish_reason == "abort"
             else:
                 [out] = engine.generate([req])
