@@ -124,9 +124,7 @@ class Admission:
         """Free seq's pages and slot and put its request back at the front of the queue with its tokens,
         logprobs and route rows (nothing is in flight: every row it was computed is on the host)."""
         eng, job = self.engine, seq.job
-        if seq.hit:  # the hit's rows, as _finish copies them
-            hit = seq.pages[:seq.hit // eng.pool.page_size]
-            seq.routes[:seq.hit] = eng.pool.routes[hit].reshape(seq.hit, *seq.routes.shape[1:])
+        self._hit_rows(seq)  # the hit's rows, as _finish copies them
         job.resume = (list(seq.tokens), list(seq.logprobs), seq.routes)
         self._retire(seq)
         eng._counters["preempted"] += 1
