@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.common import RESULTS
-from experiments.dose_grid import load, run_grid
+from experiments.dose_grid import _locked, load, run_grid
 from r3jax.metrics import mean_ci95
 
 TESTBED = ["--env", "echo", "--lr", "1e-3", "--steps", "30"]
@@ -155,10 +155,12 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     fixed = {"testbed": args.testbed}
-    if args.summarize:
-        result = load(args.results, fixed)
-        result.update(summarize(result["runs"], result.get("seeds_wanted", args.seeds), result.get("run_provenance")))
-        args.results.write_text(json.dumps(result, indent=1))
+    if args.summarize:  # under the grid's lock: a process still filling it may be writing a run
+        with _locked(args.results):
+            result = load(args.results, fixed)
+            result.update(summarize(result["runs"], result.get("seeds_wanted", args.seeds),
+                                    result.get("run_provenance")))
+            args.results.write_text(json.dumps(result, indent=1))
         print(tables(result))
         return result
     command = "python -m experiments.replay_learn " + " ".join(argv if argv is not None else os.sys.argv[1:])
