@@ -403,7 +403,8 @@ SECTIONS = [
             "warm start; in-process engine, bf16 rollouts, fp32 trainer) per setting and arm, 5 seeds paired "
             "across arms. Settings: bf16 rollouts alone, and simulated router noise σ = 0.25 on the rollout "
             "engine (material live disagreement). Mean ± 95% CI over seeds; comparisons: the paired difference "
-            "of the last-quarter reward from no replay.", replay_learn),
+            "of the last-quarter reward from no replay.",
+            lambda d: replay_learn(d) + "\n\n![replay_learn](../experiments/results/replay_learn.png)"),
     Section("replay_rl", "Replay in RL: none, R2 and R3 with bf16 and int8 rollouts", "python -m experiments.replay_rl",
             "Seeds × {no replay, R2 (trainer routes), R3 (rollout routes)} × {bf16, int8 rollouts} from one "
             "warm start, PPO with two minibatch updates per batch, fp32 trainer, on a model with more experts "

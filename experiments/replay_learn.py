@@ -16,7 +16,8 @@ Each finished run is stored at once in ``experiments/results/replay_learn[_quick
 ``runs["<setting>/<arm>"][seed]`` = the demo's per-step records (reward, eval_reward where evaluated,
 live_routing_disagreement, k3_kl, mean_abs_delta, the loss's importance weights, ...), with the
 commit it ran on; several processes may fill one grid (experiments/dose_grid.py). ``--summarize``
-re-derives the summary from the stored records: per cell the reward over the first and the last
+re-derives the summary and the figure (``replay_learn.png``: training and held-out reward per arm
+against the step, 95% bands) from the stored records: per cell the reward over the first and the last
 quarter of the steps, the gain, the last held-out reward, the live disagreement and k3 KL (mean ±
 95% CI over seeds); per arm the paired difference of its last-quarter reward from ``none``.
 """
@@ -117,6 +118,39 @@ def tables(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(result: dict, path: Path) -> None:
+    """Per setting (rows): the training reward and the held-out greedy reward against the step, one line
+    per arm, mean over seeds with a 95% band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["runs"]
+    settings = list(dict.fromkeys(cell.rsplit("/", 1)[0] for cell in runs))
+    fig, axes = plt.subplots(len(settings), 2, figsize=(11, 3.6 * len(settings)), squeeze=False)
+    for row, setting in zip(axes, settings):
+        for arm in ARMS:
+            per_seed = list(runs.get(f"{setting}/{arm}", {}).values())
+            if not per_seed:
+                continue
+            for ax, key in zip(row, ("reward", "eval_reward")):
+                steps = [r["step"] for r in per_seed[0] if key in r]
+                y = np.array([[r[key] for r in rs if key in r] for rs in per_seed])  # [seeds, points]
+                stats = np.array([mean_ci95(y[:, j]) for j in range(y.shape[1])])
+                ax.plot(steps, stats[:, 0], marker="." if key == "eval_reward" else None, label=arm)
+                ax.fill_between(steps, stats[:, 0] - np.nan_to_num(stats[:, 1]),
+                                stats[:, 0] + np.nan_to_num(stats[:, 1]), alpha=0.12)
+        row[0].set_title(f"{setting}: training reward (sampled)")
+        row[1].set_title(f"{setting}: held-out reward (greedy)")
+        for ax in row:
+            ax.set_xlabel("step")
+        row[0].legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run_one(testbed: list[str], setting: Setting, arm: str, seed: int) -> list[dict]:
     """One demo run of ``arm`` on ``setting`` with ``--seed seed``; its per-step records."""
     from r3jax.demo import main as demo_main
@@ -161,7 +195,9 @@ def main(argv=None) -> dict:
             result.update(summarize(result["runs"], result.get("seeds_wanted", args.seeds),
                                     result.get("run_provenance")))
             args.results.write_text(json.dumps(result, indent=1))
+        plot(result, args.results.with_suffix(".png"))
         print(tables(result))
+        print(f"wrote {args.results.with_suffix('.png')}")
         return result
     command = "python -m experiments.replay_learn " + " ".join(argv if argv is not None else os.sys.argv[1:])
     result = run_grid(args.results, fixed, args.settings, args.arms, args.seeds,
@@ -170,8 +206,10 @@ def main(argv=None) -> dict:
                                                              f"{recs[0]['reward']:.3f} -> {recs[-1]['reward']:.3f}",
                                                              flush=True),
                       summarize=summarize)
+    plot(result, args.results.with_suffix(".png"))
     print(tables(result))
-    print(f"{args.results} ({'complete' if result.get('complete') else 'incomplete'} grid)")
+    print(f"{args.results} ({'complete' if result.get('complete') else 'incomplete'} grid), "
+          f"{args.results.with_suffix('.png')}")
     return result
 
 
