@@ -41,6 +41,7 @@ os.environ.update({"JAX_COMPILATION_CACHE_DIR": str(CACHE), "JAX_PERSISTENT_CACH
                    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "JAX_PLATFORMS": "cpu"})
 
 import httpx  # noqa: E402
+from r3jax.serve.client import wait_healthy  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments.common import table, write_json  # noqa: E402
@@ -69,13 +70,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {''.join(self.lines)}")
             time.sleep(0.02)
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
+        wait_healthy(self.url, proc=self.proc)
         self.ready_s = time.perf_counter() - t0
         self.warmup = httpx.get(self.url + "/v1/stats").json()["warmup"]
 

@@ -49,6 +49,7 @@ ENV = {"JAX_COMPILATION_CACHE_DIR": str(CACHE), "JAX_PERSISTENT_CACHE_MIN_COMPIL
 os.environ.update(ENV)  # before JAX starts: server and in-process engine share compiled programs
 
 import httpx  # noqa: E402
+from r3jax.serve.client import wait_healthy  # noqa: E402
 
 from experiments.common import table, write_json  # noqa: E402
 from r3jax.engine import Engine, GenerateRequest  # noqa: E402
@@ -70,12 +71,8 @@ def start_server(max_tokens: int) -> tuple[subprocess.Popen, str]:
         if not line and proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
     url = line.strip().rsplit(" ", 1)[-1]
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.05)
+    wait_healthy(url, proc=proc)
+    return proc, url
 
 
 def workload(n: int, max_tokens: int, vocab: int) -> list[GenerateRequest]:

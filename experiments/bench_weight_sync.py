@@ -38,6 +38,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import httpx  # noqa: E402
+from r3jax.serve.client import wait_healthy  # noqa: E402
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
@@ -84,14 +85,7 @@ def thread_server(app):
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 120
-    while True:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url}/health did not answer within 120 s")
-        time.sleep(0.02)
+    wait_healthy(url, timeout=120)
     try:
         yield url
     finally:

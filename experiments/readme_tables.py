@@ -340,7 +340,12 @@ def serve_start(d: dict) -> str:
     sm = d["summary"]
     return (_t(d["rows"], ["repeat", "start", "wall_s", "ready_s", "warmup_s", "programs", "compiled", "loaded"])
             + f"\n\nMedian cold start **{sm['cold_s']:.1f} s** (goal ≤ {d['goals']['cold_s']:.0f} s), restart "
-            f"**{sm['restart_s']:.1f} s** (goal ≤ {d['goals']['restart_s']:.0f} s), {sm['programs']} programs.")
+            f"**{sm['restart_s']:.1f} s** (goal ≤ {d['goals']['restart_s']:.0f} s), {sm['programs']} programs."
+            + (("\n\nEvery layout the engine could compile (`--mixed-decode-buckets 3`), timed in one process on "
+                "zeroed inputs, programs taking turns (median ms per call; `default`: compiled by the default "
+                "`--mixed-decode-buckets 1`):\n\n"
+                + _t(d["layouts"], ["decode_rows", "prefill_rows", "decode_steps", "compile_s", "call_ms", "default"]))
+               if d.get("layouts") else ""))
 
 
 def bench_dtype(d: dict) -> str:

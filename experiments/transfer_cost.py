@@ -73,7 +73,7 @@ def route_heavy_dir(path) -> str:
 
 def start_server(model: str, max_seq_len: int, max_batch_size: int, timeout: float = 900.0):
     """``python -m r3jax serve`` on a free port; returns (process, url) once ``/health`` is 200."""
-    import httpx
+    from r3jax.serve.client import wait_healthy
 
     proc = subprocess.Popen([sys.executable, "-m", "r3jax", "serve", "--model", model, "--host", "127.0.0.1",
                              "--port", "0", "--max-seq-len", str(max_seq_len), "--max-batch-size",
@@ -86,15 +86,12 @@ def start_server(model: str, max_seq_len: int, max_batch_size: int, timeout: flo
             raise RuntimeError(f"server did not start (exit code {proc.poll()})")
     threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # drain logs
     url = line.strip().rsplit(" ", 1)[-1]
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not answer /health")
+    try:
+        wait_healthy(url, timeout=max(1.0, deadline - time.monotonic()), poll_s=0.2, proc=proc)
+    except (RuntimeError, TimeoutError):
+        proc.kill()
+        raise
+    return proc, url
 
 
 # ---- client side -----------------------------------------------------------------------------

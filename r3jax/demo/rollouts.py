@@ -7,7 +7,6 @@ import contextlib
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -39,19 +38,13 @@ class ServerProcess:
     def _wait_ready(self, log_path: Path, poll_s: float = 0.5):
         """Block until ``/health`` is 200: the server compiles every program before serving (minutes
         on a cold CPU cache), longer than a request's retry budget should have to cover."""
-        import httpx
+        from r3jax.serve.client import wait_healthy
 
-        t0 = time.perf_counter()
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} during warm-up (see {log_path})")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(poll_s)
-        print(f"server ready after {time.perf_counter() - t0:.0f} s of warm-up (every program compiled)",
+        try:
+            seconds = wait_healthy(self.url, timeout=3600.0, poll_s=poll_s, proc=self.proc)
+        except RuntimeError:
+            raise RuntimeError(f"server exited with {self.proc.returncode} during warm-up (see {log_path})") from None
+        print(f"server ready after {seconds:.0f} s of warm-up (every program compiled)",
               flush=True)
 
     def stop(self):

@@ -67,9 +67,13 @@ class Engine:
         more steps).
       prefill_rows: most prefill rows per step (default 4); or give ``max_num_batched_tokens`` (tokens
         per step: ``max_batch_size`` decode rows + ``prefill_rows * prefill_chunk``).
-      decode_buckets: how many decode-row sizes get a program: B, B/2, B/4, ... (default 3). Each is
-        3 programs (prefill rows 0, 1, prefill_rows); 1 compiles a third of them (faster warm-up) and
-        pads every step to B decode rows.
+      decode_buckets: how many decode-row sizes get a decode program: B, B/2, B/4, ... (default 3);
+        1 pads every decode call to B rows.
+      mixed_decode_buckets: how many of those sizes, the largest first, also get the programs of steps
+        that prefill (prefill rows 1 and ``prefill_rows``: 2 programs each). Default 1: a step that
+        prefills pads its decode rows to B, since its cost is the prefill's (a tiny model's step with
+        one prefill row takes about the same time, within 5%, at 8 and 32 decode rows on CPU: ``python
+        -m experiments.serve_start`` times every layout), and the warm-up compiles 5 programs, not 9.
       decode_steps: decode steps per device call while no prompt is being prefilled (default 8): the
         call runs them in a loop on device, with stop tokens and max_tokens checked there, so the host's
         per-call cost is paid once per ``decode_steps`` tokens of every request. A prompt that arrives
@@ -94,6 +98,7 @@ class Engine:
     def __init__(self, model: MoeTransformer, *, max_seq_len: int, max_batch_size: int, num_pages: int | None = None,
                  prefix_cache_bytes: int = 64 << 20, block_size: int = 16, prefill_chunk: int = 64,
                  prefill_rows: int | None = None, max_num_batched_tokens: int | None = None, decode_buckets: int = 3,
+                 mixed_decode_buckets: int = 1,
                  decode_steps: int = 8, dtype=None, moe_impl: str | None = None, router_noise: float | None = None,
                  logits_dot_in_fp32: bool | None = None,
                  max_stop_tokens: int = 64, mesh=None, static: bool = False,
@@ -101,7 +106,8 @@ class Engine:
         for name, value, lo in [("max_seq_len", max_seq_len, 2), ("max_batch_size", max_batch_size, 1),
                                 ("prefix_cache_bytes", prefix_cache_bytes, 0), ("block_size", block_size, 1),
                                 ("prefill_chunk", prefill_chunk, 1), ("max_stop_tokens", max_stop_tokens, 1),
-                                ("decode_buckets", decode_buckets, 1), ("decode_steps", decode_steps, 1)]:
+                                ("decode_buckets", decode_buckets, 1), ("mixed_decode_buckets", mixed_decode_buckets, 1),
+                                ("decode_steps", decode_steps, 1)]:
             _check(name, value, lo)
         if prefill_rows is not None and max_num_batched_tokens is not None:
             raise FieldError("max_num_batched_tokens", max_num_batched_tokens, "None when prefill_rows is given",
@@ -151,8 +157,10 @@ class Engine:
         block_pages = max(1, BLOCK_TOKENS // block_size)
         self._pages_per_row = round_up(-(-max_seq_len // block_size), block_pages)
         self._block_pages = min(block_pages, self._pages_per_row)
-        # program buckets: decode rows B, B/2, B/4, ... (>= 1; decode_buckets of them) x prefill rows 0, 1, prefill_rows
+        # program buckets: decode rows B, B/2, B/4, ... (>= 1; decode_buckets of them) with no prefill row, and
+        # the largest mixed_decode_buckets of them x prefill rows 1, prefill_rows
         self._decode_buckets = sorted({max(1, max_batch_size >> i) for i in range(decode_buckets)})
+        self._mixed_buckets = self._decode_buckets[-mixed_decode_buckets:]
         self._prefill_buckets = sorted({0, 1, prefill_rows})
         self._head_only = callable(getattr(model, "logits", None))
 
@@ -338,10 +346,12 @@ class Engine:
 
     def layouts(self) -> list[RaggedLayout]:
         """Every step layout this engine can run (one program each)."""
-        return [self.layout(d, p) for d in self._decode_buckets for p in self._prefill_buckets]
+        return [self.layout(d, p) for d in self._decode_buckets for p in self._prefill_buckets
+                if p == 0 or d in self._mixed_buckets]
 
     def layout(self, decode_rows: int, prefill_rows: int) -> RaggedLayout:
-        return RaggedLayout(decode_rows=bucket(max(decode_rows, 1), self._decode_buckets),
+        rows = self._mixed_buckets if prefill_rows > 0 else self._decode_buckets
+        return RaggedLayout(decode_rows=bucket(max(decode_rows, 1), rows),
                             prefill_rows=bucket(prefill_rows, self._prefill_buckets), prefill_len=self.prefill_chunk,
                             pages_per_row=self._pages_per_row, block_pages=self._block_pages)
 

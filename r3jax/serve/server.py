@@ -3,7 +3,7 @@
     python -m r3jax serve --model tiny --host 127.0.0.1 --port 8000 [--api-key KEY]
         [--max-batch-size 32] [--max-seq-len 256] [--seed 0] [--config PRESET|HF_DIR]
         [--block-size 16] [--prefill-chunk 64] [--max-num-batched-tokens N] [--num-pages N] [--decode-buckets 3]
-        [--tensor-parallel-size T] [--data-parallel-size D] [--enable-expert-parallel]
+        [--mixed-decode-buckets 1] [--tensor-parallel-size T] [--data-parallel-size D] [--enable-expert-parallel]
         [--mesh DATA,TENSOR,EXPERT]
         [--compilation-cache DIR] [--static] [--tokenizer auto|byte|none|FILE] [--served-model-name NAME]
         [--enable-return-routed-experts]
@@ -47,7 +47,7 @@ import time
 
 
 # r3jax.engine.Engine's defaults (not imported here: --help must not start JAX; a test checks they agree)
-ENGINE_DEFAULTS = dict(block_size=16, prefill_chunk=64, decode_steps=8)
+ENGINE_DEFAULTS = dict(block_size=16, prefill_chunk=64, decode_steps=8, decode_buckets=3, mixed_decode_buckets=1)
 ENGINE_DEFAULT_PREFILL_ROWS = 4
 
 
@@ -81,9 +81,12 @@ def parse_args(argv: list[str], devices=None) -> argparse.Namespace:
                           f"--max-batch-size + {ENGINE_DEFAULT_PREFILL_ROWS} x --prefill-chunk)")
     eng.add_argument("--num-pages", type=int, default=None,
                      help="pages in the pool (default: --max-batch-size full sequences + --prefix-cache-mb)")
-    eng.add_argument("--decode-buckets", type=int, default=3,
-                     help="decode-row sizes with a program: B, B/2, B/4, ... (1: a third of the programs, so a "
-                          "faster warm-up, every step padded to --max-batch-size rows)")
+    eng.add_argument("--decode-buckets", type=int, default=ENGINE_DEFAULTS["decode_buckets"],
+                     help="decode-row sizes with a decode program: B, B/2, B/4, ... (1: every decode call padded "
+                          "to --max-batch-size rows)")
+    eng.add_argument("--mixed-decode-buckets", type=int, default=ENGINE_DEFAULTS["mixed_decode_buckets"],
+                     help="how many of those sizes (largest first) also get the 2 programs of steps that prefill "
+                          "(default 1: a step that prefills pads its decode rows to --max-batch-size)")
     par = ap.add_argument_group("devices", "the (data, tensor, expert) mesh: --mesh, or vLLM's flags (not both)")
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                      help="devices along tensor (attention heads, MLP and expert hidden dims)")
@@ -118,7 +121,8 @@ def parse_args(argv: list[str], devices=None) -> argparse.Namespace:
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)
     for name in ("max_batch_size", "max_seq_len", "max_body_bytes", "block_size", "prefill_chunk", "decode_steps",
-                 "max_num_batched_tokens", "num_pages", "tensor_parallel_size", "data_parallel_size"):
+                 "max_num_batched_tokens", "num_pages", "tensor_parallel_size", "data_parallel_size",
+                 "decode_buckets", "mixed_decode_buckets"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= 1")
     if not 0 <= args.port < 65536:
@@ -192,6 +196,7 @@ def build_engine(args: argparse.Namespace):
                   prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)), block_size=args.block_size,
                   prefill_chunk=args.prefill_chunk, max_num_batched_tokens=args.max_num_batched_tokens,
                   num_pages=args.num_pages, decode_buckets=args.decode_buckets, decode_steps=args.decode_steps,
+                  mixed_decode_buckets=args.mixed_decode_buckets,
                   mesh=build_mesh(args.mesh_shape), static=args.static, logits_dot_in_fp32=args.logits_dot_in_fp32,
                   router_noise=args.router_noise,
                   program_cache=None if args.compilation_cache is None else os.path.join(args.compilation_cache,

@@ -13,7 +13,6 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
@@ -22,18 +21,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 def wait_healthy(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
     """Poll ``GET /health`` until it answers 200 (or fail after ``timeout`` s / if ``proc`` died)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url}/health did not answer within {timeout} s")
-        time.sleep(0.02)
+    from r3jax.serve.client import wait_healthy as wait
+
+    try:
+        wait(url, timeout=timeout, poll_s=0.02, proc=proc)
+    except RuntimeError as e:
+        raise RuntimeError(f"{e}: {proc.stdout.read() if proc is not None and proc.stdout else ''}") from None
 
 
 class ThreadServer:

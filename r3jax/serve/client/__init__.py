@@ -9,13 +9,15 @@ has the in-process ``Engine``'s ``generate``. One concept per module:
 - :mod:`.protocols`: the r3jax, SkyRL, vLLM and SGLang dialects (codecs in :mod:`r3jax.serve.protocol`
   and :mod:`r3jax.serve.peers`);
 - :mod:`.chat`: OpenAI chat turns (:class:`ChatRequest` → :class:`ChatOutput`) and chat ``/tokenize``;
-- :mod:`.stats`: the client's counters.
+- :mod:`.stats`: the client's counters;
+- :mod:`.health`: :func:`wait_healthy`, waiting for a server's ``/health`` 200.
 """
 
 from r3jax.serve.client.chat import ChatOutput, ChatRequest
+from r3jax.serve.client.health import wait_healthy
 from r3jax.serve.client.errors import RemoteError, RemoteInputError
 from r3jax.serve.client.remote import RemoteInferenceClient
 from r3jax.serve.client.retry import RetryPolicy
 from r3jax.serve.protocol import ProtocolError
 
-__all__ = ["ChatOutput", "ChatRequest", "ProtocolError", "RemoteError", "RemoteInferenceClient", "RemoteInputError", "RetryPolicy"]
+__all__ = ["ChatOutput", "ChatRequest", "ProtocolError", "RemoteError", "RemoteInferenceClient", "RemoteInputError", "RetryPolicy", "wait_healthy"]

@@ -83,22 +83,30 @@ def test_no_program_compiles_after_warmup_over_1000_varied_requests(engine):
     assert engine.stats["compiled_programs"] == programs
 
 
-def test_decode_buckets_sets_the_program_set(tiny_model):
-    """decode_buckets=1: one decode-row size (B), so 3 programs instead of 9; 0 is refused by name."""
+def test_decode_buckets_and_mixed_decode_buckets_set_the_program_set(tiny_model):
+    """Decode programs at B, B/2, B/4 (decode_buckets=3); steps that prefill only at the largest
+    mixed_decode_buckets of them (default 1: B), so 5 programs, or 9 with all three; decode_buckets=1
+    gives 3. A step that prefills pads its decode rows up to a mixed size. 0 is refused by name."""
     from r3jax.engine import Engine
     from r3jax.checks import FieldError
 
     kw = dict(max_seq_len=64, max_batch_size=8, num_pages=25, prefix_cache_bytes=0)
-    three, one = Engine(tiny_model, **kw), Engine(tiny_model, decode_buckets=1, **kw)
+    three, every, one = (Engine(tiny_model, **kw), Engine(tiny_model, mixed_decode_buckets=3, **kw),
+                         Engine(tiny_model, decode_buckets=1, **kw))
     try:
-        assert sorted({lay.decode_rows for lay in three.layouts()}) == [2, 4, 8]
-        assert [(lay.decode_rows, lay.prefill_rows) for lay in one.layouts()] == [(8, 0), (8, 1), (8, 4)]
+        rows = lambda e: [(lay.decode_rows, lay.prefill_rows) for lay in e.layouts()]  # noqa: E731
+        assert rows(three) == [(2, 0), (4, 0), (8, 0), (8, 1), (8, 4)]
+        assert rows(every) == [(d, p) for d in (2, 4, 8) for p in (0, 1, 4)]
+        assert rows(one) == [(8, 0), (8, 1), (8, 4)]
+        assert (three.layout(1, 0).decode_rows, three.layout(1, 1).decode_rows) == (2, 8)
+        assert (every.layout(1, 1).decode_rows, every.layout(3, 4).decode_rows) == (2, 4)
         assert one.layout(1, 0).decode_rows == 8
     finally:
-        three.close(), one.close()
-    with pytest.raises(FieldError, match="decode_buckets") as e:
-        Engine(tiny_model, decode_buckets=0, **kw)
-    assert e.value.field == "decode_buckets" and e.value.value == 0
+        three.close(), every.close(), one.close()
+    for name in ("decode_buckets", "mixed_decode_buckets"):
+        with pytest.raises(FieldError, match=name) as e:
+            Engine(tiny_model, **{name: 0}, **kw)
+        assert e.value.field == name and e.value.value == 0
 
 
 def test_close_frees_programs_no_other_live_engine_holds(tiny_model, make_engine):

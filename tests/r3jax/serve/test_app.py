@@ -445,6 +445,7 @@ def test_cli_arguments_are_checked(capsys):
     assert (args.model, args.host, args.port, args.max_seq_len) == ("tiny", "127.0.0.1", 0, 256)
     assert (args.compilation_cache, args.static) == ("/tmp/x", True)
     assert parse_args(["--decode-steps", "4"]).decode_steps == 4
+    assert (args.decode_buckets, args.mixed_decode_buckets) == (3, 1)
     assert args.logits_dot_in_fp32 is True and parse_args(["--no-logits-dot-in-fp32"]).logits_dot_in_fp32 is False
     # the server's engine defaults (kept apart so --help starts no JAX) are the Engine's
     import inspect
@@ -456,6 +457,7 @@ def test_cli_arguments_are_checked(capsys):
     assert {k: params[k].default for k in ENGINE_DEFAULTS} == ENGINE_DEFAULTS
     for bad, msg in ((["--max-batch-size", "0"], "--max-batch-size"), (["--port", "70000"], "--port"),
                      (["--decode-steps", "0"], "--decode-steps=0: expected >= 1"),
+                     (["--mixed-decode-buckets", "0"], "--mixed-decode-buckets=0: expected >= 1"),
                      (["--port", "-1"], "--port"), (["--block-size", "0"], "--block-size"),
                      (["--prefix-cache-mb", "-1"], "--prefix-cache-mb")):
         with pytest.raises(SystemExit):

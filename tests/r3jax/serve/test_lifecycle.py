@@ -64,6 +64,27 @@ def test_health_is_503_warming_up_until_every_program_is_compiled(serve_helpers)
         assert (warm["programs"], warm["seconds"]) == (0, 0.0) and warm["ready_s"] > 0  # since create_app
 
 
+def test_wait_healthy_waits_out_warm_up_and_reports_a_dead_server_or_a_timeout(serve_helpers):
+    from r3jax.serve.client import wait_healthy
+
+    class Exited:  # a server process that has exited
+        returncode = 3
+
+        def poll(self):
+            return 3
+
+    engine = serve_helpers.FakeEngine()
+    engine.warm_gate = threading.Event()
+    with serve_helpers.thread_server(create_app(engine), wait=False) as srv:
+        with pytest.raises(TimeoutError, match=r"/health did not answer 200 within 0.2 s"):
+            wait_healthy(srv.url, timeout=0.2, poll_s=0.01)  # 503 warming_up all along
+        with pytest.raises(RuntimeError, match=r"exited with 3 before /health answered 200"):
+            wait_healthy(srv.url, timeout=5.0, poll_s=0.01, proc=Exited())
+        threading.Timer(0.1, engine.warm_gate.set).start()
+        assert wait_healthy(srv.url, timeout=30.0, poll_s=0.01) >= 0.05  # returned only once warm
+        assert engine.warmed_up
+
+
 def test_graceful_shutdown_finishes_the_request_in_flight(gated):
     engine, srv, pool = gated
     running = pool.submit(post, srv.url, [7, 8], 3)
