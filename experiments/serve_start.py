@@ -15,9 +15,11 @@ poll costs about 20 ms of CPU, a core taken from the server it measures.
 Then, in this process, the step time of every layout the server's engine could compile, with
 ``--mixed-decode-buckets`` at its largest (decode rows B, B/2, B/4 x prefill rows 0, 1, 4): the
 median of ``--calls`` calls of each compiled program on zeroed inputs (a program's shapes fix its
-work). It shows which programs pay for their compile time: a step that prefills costs about the
-same whatever its decode rows, so by default only the largest decode size gets the two mixed programs
-(5 programs, not 9). ``--no-layouts`` skips it.
+work), and ``largest_over_this``: the call time of the largest decode size over this one's, what
+padding this layout's decode rows up would cost it. It shows which programs pay for their compile
+time: padding costs a step that prefills little (its cost is mostly the prefill's) and the decode
+loop much more, so by default only the largest decode size gets the two mixed programs (5 programs,
+not 9). ``--no-layouts`` skips it.
 Writes experiments/results/serve_start.json.
 """
 
@@ -111,6 +113,10 @@ def layout_times(model: str, serve_args: list[str], calls: int) -> list[dict]:
                 times.append(time.perf_counter() - t0)
         for row, (_, _, times) in zip(rows, programs):
             row["call_ms"] = round(1e3 * statistics.median(times[1:]), 2)
+        top = max(r["decode_rows"] for r in rows)
+        largest = {r["prefill_rows"]: r["call_ms"] for r in rows if r["decode_rows"] == top}
+        for row in rows:  # what padding this layout's decode rows up to the largest size would cost it
+            row["largest_over_this"] = round(largest[row["prefill_rows"]] / row["call_ms"], 3)
     finally:
         engine.close()
     return rows
@@ -128,7 +134,7 @@ def main() -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--repeats", type=int, default=1, help="cold + restart pairs (each cold on an empty cache)")
     ap.add_argument("--compilation-cache", default=None, help="cache directory to use (emptied before each cold start)")
-    ap.add_argument("--calls", type=int, default=20, help="timed calls per program in the layout table")
+    ap.add_argument("--calls", type=int, default=50, help="timed calls per program in the layout table")
     ap.add_argument("--no-layouts", action="store_true", help="skip the per-layout step times")
     ap.add_argument("serve_args", nargs="*", help="arguments passed to `python -m r3jax serve` (after --)")
     args = ap.parse_args()
@@ -151,7 +157,8 @@ def main() -> None:
           f"(goal {GOALS['restart_s']:.0f}), {summary['programs']} programs")
     layouts = [] if args.no_layouts else layout_times(args.model, args.serve_args, args.calls)
     if layouts:
-        print(table(layouts, ["decode_rows", "prefill_rows", "decode_steps", "compile_s", "call_ms", "default"]))
+        print(table(layouts, ["decode_rows", "prefill_rows", "decode_steps", "compile_s", "call_ms", "largest_over_this",
+                              "default"]))
     print("wrote", write_json("serve_start", {"model": args.model, "serve_args": args.serve_args, "rows": rows,
                                               "summary": summary, "goals": GOALS, "layouts": layouts}))
 

@@ -71,9 +71,9 @@ class Engine:
         1 pads every decode call to B rows.
       mixed_decode_buckets: how many of those sizes, the largest first, also get the programs of steps
         that prefill (prefill rows 1 and ``prefill_rows``: 2 programs each). Default 1: a step that
-        prefills pads its decode rows to B, since its cost is the prefill's (a tiny model's step with
-        one prefill row takes about the same time, within 5%, at 8 and 32 decode rows on CPU: ``python
-        -m experiments.serve_start`` times every layout), and the warm-up compiles 5 programs, not 9.
+        prefills pads its decode rows to B: its cost is mostly the prefill's, so padding costs it little
+        next to what padding costs the decode loop (``python -m experiments.serve_start`` times every
+        layout), and the warm-up compiles 5 programs, not 9.
       decode_steps: decode steps per device call while no prompt is being prefilled (default 8): the
         call runs them in a loop on device, with stop tokens and max_tokens checked there, so the host's
         per-call cost is paid once per ``decode_steps`` tokens of every request. A prompt that arrives
