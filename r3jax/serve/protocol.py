@@ -131,7 +131,7 @@ def _output(obj: dict, routes, request, info: ServedModel, where: str):
     finish = obj.get("finish_reason")
     if finish not in ("stop", "length", "abort"):
         raise ProtocolError(f"{where}: finish_reason={finish!r}: expected 'stop', 'length' or 'abort'")
-    spans = _spans(obj.get("weight_versions", []), g, where)
+    spans = read_spans(obj.get("weight_versions", []), g, where)
     if request.return_routed_experts:
         if routes is None:
             raise ProtocolError(f"{where}: routed_experts missing: the request asked for them")
@@ -145,9 +145,9 @@ def _output(obj: dict, routes, request, info: ServedModel, where: str):
                           routed_experts_start=int(request.routed_experts_prompt_start), weight_versions=spans)
 
 
-def _spans(value, g: int, where: str) -> tuple:
+def read_spans(value, g: int, where: str) -> tuple:
     """``weight_versions``: ``[[first token index, version], ...]`` starting at 0, indices rising below G
-    (absent from an older server: ``()``)."""
+    (absent from an older server: ``()``). Also the extension field of the vLLM and SkyRL forms."""
     ok = isinstance(value, list) and all(
         isinstance(x, list) and len(x) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in x)
         for x in value)

@@ -20,7 +20,7 @@ from r3jax.checks import FieldError
 from r3jax.engine.errors import EngineAborted, EngineFailedError
 from r3jax.serve.batcher import ShuttingDown
 from r3jax.serve.dispatch import ServeContext, Unavailable, unavailable
-from r3jax.serve.peers import stream, vllm
+from r3jax.serve.peers import common, stream, vllm
 
 
 async def stream_answer(ctx: ServeContext, req, *, kind: str, request_id: str, model: str, num_experts: int,
@@ -100,7 +100,8 @@ async def stream_answer(ctx: ServeContext, req, *, kind: str, request_id: str, m
                             prompt_ids=prompt if kind == "completion" and sent == 0 else None)
             routes = None if out.routed_experts is None else vllm.encode_routes(out.routed_experts, num_experts)
             yield chunk([], None, text.flush(None if watch is None else watch.cut), finish_reason=out.finish_reason,
-                        routes=routes, stop_reason=None if watch is None else watch.matched)
+                        routes=routes, stop_reason=None if watch is None else watch.matched,
+                        versions=common.with_spans({}, out).get("weight_versions"))
             if include_usage:
                 yield stream.sse(stream.usage_chunk(head, "chat.completion.chunk" if kind == "chat" else "text_completion",
                                                     len(prompt), len(out.output_ids), out.cached_tokens))

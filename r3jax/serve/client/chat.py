@@ -120,12 +120,13 @@ def parse_chat_response(content: bytes | str | Mapping, request: ChatRequest, *,
         reason = choice.get("finish_reason")
         message = choice.get("message") or {}
         calls = message.get("tool_calls") or []
-        finish = "stop" if reason == "tool_calls" else common.finish(reason, where)
+        finish = "stop" if reason == "tool_calls" else common.finish(reason, where, abort=False)
         cached = vllm.cached_tokens(obj.get("usage"), where)
+        spans = common.read_span_list(choice.get("weight_versions"), len(ids), where)
     return ChatOutput(output_ids=ids, logprobs=lps, finish_reason=finish, routed_experts=routes,
                       prompt_tokens=len(prompt), cached_tokens=cached, weight_version=common.UNKNOWN_VERSION,
                       routed_experts_start=s, prompt_ids=[int(t) for t in prompt], content=message.get("content"),
-                      tool_calls=list(calls))
+                      tool_calls=list(calls), weight_versions=spans)
 
 
 def tokenize_body(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,

@@ -53,13 +53,14 @@ def json_route_bytes(content: bytes) -> int:
 
 
 def _version(out, headers) -> object:
-    """``out`` with the server's ``X-Weight-Version`` header when its body had no version."""
+    """``out`` with the server's ``X-Weight-Version`` header when its body had no version, and then
+    its one version span when the body sent none (:func:`r3jax.serve.peers.common.one_span`)."""
     value = (headers or {}).get(VERSION_HEADER)
     if out.weight_version != common.UNKNOWN_VERSION or value is None:
-        return out
+        return common.one_span(out)
     if not value.strip().lstrip("-").isdigit():
         raise ProtocolError(f"X-Weight-Version={value!r}: expected an int", "weight_version")
-    return dataclasses.replace(out, weight_version=int(value))
+    return common.one_span(dataclasses.replace(out, weight_version=int(value)))
 
 
 def _dump(body: dict) -> bytes:

@@ -20,7 +20,7 @@ import numpy as np
 from r3jax import checks
 from r3jax.checks import FieldError, check_int, check_route_ids, is_int
 from r3jax.routes import route_dtype
-from r3jax.serve.protocol import ProtocolError
+from r3jax.serve.protocol import ProtocolError, read_spans
 
 CLAMPED_LOGPROB = -9999.0  # the floor vLLM and SkyRL put on a missing or non-finite sampled logprob
 UNKNOWN_VERSION = -1  # weight_version of an output whose peer protocol does not report one
@@ -157,11 +157,39 @@ def logprob_list(values: Any, g: int, where: str) -> list[float]:
     return out
 
 
-def finish(value: Any, where: str) -> str:
-    """r3jax's finish reasons are "stop" and "length"; an aborted peer request is an error."""
-    if value not in ("stop", "length"):
-        raise ProtocolError(f"{where}: finish_reason={value!r}: expected 'stop' or 'length'")
+def finish(value: Any, where: str, *, abort: bool = True) -> str:
+    """A finish reason: "stop", "length", or (``abort``) "abort": a weight update in mode "abort"
+    returned what the request had, a partial output to resume (prompt + output, routes from the
+    trace's cursor). Anything else is a broken answer."""
+    allowed = ("stop", "length", "abort") if abort else ("stop", "length")
+    if value not in allowed:
+        raise ProtocolError(f"{where}: finish_reason={value!r}: expected {' or '.join(map(repr, allowed))}")
     return value
+
+
+def with_spans(target: dict, out, render=None, key: str = "weight_versions") -> dict:
+    """``target`` with ``key``: ``out.weight_versions`` rendered (default: r3jax's ``[[first token index,
+    version], ...]``, the vLLM and SkyRL forms' extension field, as neither protocol has one), only for
+    an output that spans more than one version: one version is already said (``X-Weight-Version``,
+    SGLang's ``weight_version``), and a one-version answer stays byte for byte the peer's own."""
+    spans = tuple(getattr(out, "weight_versions", ()))
+    if len(spans) > 1:
+        target[key] = (render or (lambda s: [[int(i), int(v)] for i, v in s]))(spans)
+    return target
+
+
+def read_span_list(value: Any, g: int, where: str) -> tuple:
+    """The extension field back (absent or null: ``()``; the client then takes the answer's one
+    version, :func:`one_span`)."""
+    return () if value is None else read_spans(value, g, where)
+
+
+def one_span(out):
+    """``out`` with ``weight_versions`` ``((0, weight_version),)`` when its answer sent no spans (one
+    version) and the version is known."""
+    if out.weight_versions or out.weight_version == UNKNOWN_VERSION:
+        return out
+    return dataclasses.replace(out, weight_versions=((0, int(out.weight_version)),))
 
 
 def route_rows(routes: np.ndarray, request, g: int, *, num_experts: int, num_layers: int, top_k: int,

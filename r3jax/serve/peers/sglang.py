@@ -5,9 +5,11 @@ Request: ``{"input_ids", "sampling_params": {"max_new_tokens" (128), "temperatur
 "routed_experts_start_len": s}``. Response: ``{"text", "output_ids", "meta_info": {"id",
 "finish_reason": {"type": "stop", "matched": id} | {"type": "length", "length": n}, "prompt_tokens",
 "completion_tokens", "cached_tokens", "weight_version", "output_token_logprobs": [[logprob, id,
-text | null], ...], "routed_experts": base64 of int32 ids [rows, L, K]}}`` with rows
-``[s, P + G - 1)`` (SGLang sends no shape: L and K come from the served model). Bad input: 400
-``{"error": {"message": ...}}``. Sources: docs/peers.md.
+text | null], ...], "routed_experts": base64 of int32 ids [rows, L, K], "weight_versions": [{"version", "start", "end"},
+...]}}`` with rows ``[s, P + G - 1)`` (SGLang sends no shape: L and K come from the served model) and
+version spans over output token indices ``[start, end)``, versions as strings like
+``weight_version``. An aborted request finishes ``{"type": "abort", "message"}`` with the tokens it
+has. Bad input: 400 ``{"error": {"message": ...}}``. Sources: docs/peers.md.
 """
 
 from __future__ import annotations
@@ -146,7 +148,43 @@ def render_generate(out: GenerateOutput, request: GenerateRequest, *, num_expert
         meta["output_token_logprobs_length"] = g
     if request.return_routed_experts and out.routed_experts is not None:
         meta["routed_experts"] = encode_routes(out.routed_experts, num_experts)
+    common.with_spans(meta, out, lambda spans: version_spans(spans, g))
     return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def version_spans(spans, g: int) -> list[dict]:
+    """``((first token index, version), ...)`` as SGLang's ``[{"version": str, "start", "end"}, ...]``."""
+    bounds = [int(i) for i, _ in spans] + [g]
+    return [{"version": str(int(v)), "start": bounds[k], "end": bounds[k + 1]} for k, (_, v) in enumerate(spans)]
+
+
+def read_version_spans(value: Any, g: int, where: str) -> tuple:
+    """SGLang's ``meta_info.weight_versions`` → ``((first token index, version), ...)``: spans from 0 to
+    G, each starting where the last ended, versions integers (or integer strings; "default" is
+    ``UNKNOWN_VERSION``). Absent: ``()``."""
+    if value is None:
+        return ()
+    out, end = [], 0
+    ok = isinstance(value, list)
+    for span in value if ok else ():
+        if not (isinstance(span, Mapping) and is_int(span.get("start")) and is_int(span.get("end"))
+                and span["start"] == end < span["end"] <= g):
+            ok = False
+            break
+        version = span.get("version")
+        if version == "default":
+            version = common.UNKNOWN_VERSION
+        elif isinstance(version, str) and version.strip().lstrip("-").isdigit():
+            version = int(version)
+        if not is_int(version):
+            ok = False
+            break
+        out.append((int(span["start"]), int(version)))
+        end = int(span["end"])
+    if not ok or (value and end != g):
+        raise ProtocolError(f"{where}: meta_info.weight_versions={str(value)[:80]}: expected [{{'version', 'start', "
+                            f"'end'}}, ...] covering output tokens [0, {g}) in order", "weight_versions")
+    return tuple(out)
 
 
 def error_response(err: FieldError) -> tuple[int, dict]:
@@ -201,8 +239,6 @@ def parse_generate_response(content: bytes | str | Mapping, request: GenerateReq
         meta = obj["meta_info"]
         reason = meta["finish_reason"]
         if isinstance(reason, dict):
-            if reason.get("type") == "abort":
-                raise ProtocolError(f"{where}: request aborted: {reason.get('message')}")
             reason = reason.get("type")
         lp_rows = meta.get("output_token_logprobs")
         ids = obj.get("output_ids")
@@ -225,7 +261,8 @@ def parse_generate_response(content: bytes | str | Mapping, request: GenerateReq
         cached = _count(meta, "cached_tokens", where)
         prompt_tokens = _count(meta, "prompt_tokens", where)
         version = _version(meta, where)
-    return GenerateOutput(output_ids=ids, logprobs=lps, finish_reason=common.finish(reason, where),
+        spans = read_version_spans(meta.get("weight_versions"), len(ids), where)
+    return common.one_span(GenerateOutput(output_ids=ids, logprobs=lps, finish_reason=common.finish(reason, where),
                           routed_experts=routes, prompt_tokens=prompt_tokens,
                           cached_tokens=cached, weight_version=version,
-                          routed_experts_start=int(request.routed_experts_prompt_start))
+                          routed_experts_start=int(request.routed_experts_prompt_start), weight_versions=spans))

@@ -114,8 +114,9 @@ def render_generate(out: GenerateOutput, request: GenerateRequest, *, num_expert
     routes = None
     if request.return_routed_experts and out.routed_experts is not None:
         routes = encode_routes(out.routed_experts, num_experts)
-    return {"choices": [{"token_ids": [int(t) for t in out.output_ids], "finish_reason": out.finish_reason,
-                         "logprobs": logprobs, "routed_experts": routes, "rollout_sample_support": None}]}
+    choice = {"token_ids": [int(t) for t in out.output_ids], "finish_reason": out.finish_reason,
+              "logprobs": logprobs, "routed_experts": routes, "rollout_sample_support": None}
+    return {"choices": [common.with_spans(choice, out)]}
 
 
 def error_response(err: FieldError) -> tuple[int, dict]:
@@ -168,7 +169,8 @@ def parse_generate_response(content: bytes | str | Mapping, request: GenerateReq
                 raise ProtocolError(f"{where}: {ROUTES_PATH} must return packed routed_experts")
             routes = common.route_rows(decode_routes(choice["routed_experts"], num_experts), request, len(ids),
                                        num_experts=num_experts, num_layers=num_layers, top_k=top_k, where=where)
+        spans = common.read_span_list(choice.get("weight_versions"), len(ids), where)
     return GenerateOutput(output_ids=ids, logprobs=lps, finish_reason=common.finish(choice.get("finish_reason"), where),
                           routed_experts=routes, prompt_tokens=len(request.prompt_ids), cached_tokens=None,
                           weight_version=common.UNKNOWN_VERSION,
-                          routed_experts_start=int(request.routed_experts_prompt_start))
+                          routed_experts_start=int(request.routed_experts_prompt_start), weight_versions=spans)

@@ -4,7 +4,7 @@ events, one chunk per token as it reaches the host, ending with ``data: [DONE]``
 Each token chunk carries its text delta and its ``token_ids`` (with ``return_token_ids``; the first
 chunk also ``prompt_token_ids``) and its logprob when asked for. The chunk with ``finish_reason``
 carries ``routed_experts``: every row of the request, encoded as the non-streamed answer encodes them
-(vLLM's proposal: routes on the last chunk). With ``stream_options: {"include_usage": true}`` a last
+(vLLM's proposal: routes on the last chunk), and ``weight_versions``, the request's version spans. With ``stream_options: {"include_usage": true}`` a last
 chunk with no choices carries ``usage``. Text deltas never end inside a UTF-8 character
 (:class:`TextStream`). One sample per streamed request (``n`` 1).
 
@@ -120,7 +120,8 @@ class TextStream:
 
 def completion_chunk(head: Mapping[str, Any], *, text: str, ids: list[int], logprobs: list[float] | None,
                      return_token_ids: bool, finish_reason: str | None = None, routes: str | None = None,
-                     prompt_ids: list[int] | None = None, stop_reason: Any = None) -> dict:
+                     prompt_ids: list[int] | None = None, stop_reason: Any = None,
+                     versions: list | None = None) -> dict:
     lp = None
     if logprobs is not None:
         tokens = [f"token_id:{t}" for t in ids]
@@ -132,12 +133,14 @@ def completion_chunk(head: Mapping[str, Any], *, text: str, ids: list[int], logp
               "token_ids": ids if return_token_ids else None, "routed_experts": routes}
     if prompt_ids is not None and return_token_ids:
         choice["prompt_token_ids"] = prompt_ids
+    if versions is not None:
+        choice["weight_versions"] = versions
     return {**head, "object": "text_completion", "choices": [choice]}
 
 
 def chat_chunk(head: Mapping[str, Any], *, delta: dict, ids: list[int], logprobs: list[float] | None,
                return_token_ids: bool, finish_reason: str | None = None, routes: str | None = None,
-               prompt_ids: list[int] | None = None, stop_reason: Any = None) -> dict:
+               prompt_ids: list[int] | None = None, stop_reason: Any = None, versions: list | None = None) -> dict:
     lp = None
     if logprobs is not None:
         lp = {"content": [{"token": f"token_id:{t}", "logprob": common.clamp_logprob(x), "bytes": None,
@@ -148,6 +151,8 @@ def chat_chunk(head: Mapping[str, Any], *, delta: dict, ids: list[int], logprobs
                         "routed_experts": routes}]}
     if prompt_ids is not None and return_token_ids:
         out["prompt_token_ids"] = prompt_ids
+    if versions is not None:
+        out["choices"][0]["weight_versions"] = versions
     return out
 
 

@@ -220,6 +220,7 @@ def render_completion(out: GenerateOutput, request: GenerateRequest, *, model: s
               "stop_reason": stop_reason, "token_ids": ids if return_token_ids else None,
               "prompt_logprobs": None, "prompt_token_ids": list(request.prompt_ids) if return_token_ids else None,
               "routed_experts": routes}
+    common.with_spans(choice, out)
     usage = {"prompt_tokens": p, "total_tokens": p + g, "completion_tokens": g,
              "prompt_tokens_details": {"cached_tokens": int(out.cached_tokens)}}
     return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(created), "model": model,
@@ -247,6 +248,7 @@ def render_generate(out: GenerateOutput, request: GenerateRequest, *, request_id
                                  "top_logprobs": []} for t, x in zip(out.output_ids, out.logprobs)]}
     choice = {"index": 0, "logprobs": logprobs, "finish_reason": out.finish_reason,
               "token_ids": [int(t) for t in out.output_ids]}
+    common.with_spans(choice, out)
     return {"request_id": request_id, "choices": [choice], "prompt_logprobs": None, "kv_transfer_params": None}
 
 
@@ -306,10 +308,11 @@ def parse_completion_response(content: bytes | str | Mapping, request: GenerateR
             routes = common.route_rows(decode_routes(choice["routed_experts"], num_experts), request, len(ids),
                                        num_experts=num_experts, num_layers=num_layers, top_k=top_k, where=where)
         cached = cached_tokens(obj.get("usage"), where)
+        spans = common.read_span_list(choice.get("weight_versions"), len(ids), where)
     return GenerateOutput(output_ids=ids, logprobs=lps, finish_reason=common.finish(choice.get("finish_reason"), where),
                           routed_experts=routes, prompt_tokens=len(request.prompt_ids), cached_tokens=cached,
                           weight_version=common.UNKNOWN_VERSION,
-                          routed_experts_start=int(request.routed_experts_prompt_start))
+                          routed_experts_start=int(request.routed_experts_prompt_start), weight_versions=spans)
 
 
 def cached_tokens(usage: Any, where: str) -> int | None:

@@ -155,10 +155,11 @@ def render_chat(outs: list[GenerateOutput], request: GenerateRequest, *, texts: 
                                      "top_logprobs": []} for t, lp in zip(ids, out.logprobs)]}
         routes = None if out.routed_experts is None else vllm.encode_routes(out.routed_experts, num_experts)
         content, calls = tool_calls.parse_hermes(text) if tool_call_parser == "hermes" else (text, [])
-        choices.append({"index": i, "message": {"role": "assistant", "content": content, "tool_calls": calls},
-                        "logprobs": logprobs, "finish_reason": "tool_calls" if calls else out.finish_reason,
-                        "stop_reason": ids[-1] if out.finish_reason == "stop" else None,  # a stop string: the caller's
-                        "token_ids": ids if return_token_ids else None, "routed_experts": routes})
+        choices.append(common.with_spans(
+            {"index": i, "message": {"role": "assistant", "content": content, "tool_calls": calls},
+             "logprobs": logprobs, "finish_reason": "tool_calls" if calls else out.finish_reason,
+             "stop_reason": ids[-1] if out.finish_reason == "stop" else None,  # a stop string: the caller's
+             "token_ids": ids if return_token_ids else None, "routed_experts": routes}, out))
     g = sum(len(o.output_ids) for o in outs)
     usage = {"prompt_tokens": p, "total_tokens": p + g, "completion_tokens": g,
              "prompt_tokens_details": {"cached_tokens": int(outs[0].cached_tokens)}}

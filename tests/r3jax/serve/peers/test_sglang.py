@@ -137,13 +137,20 @@ def test_bad_input_is_sglangs_400(body, field):
     assert field in err["error"]["message"]
 
 
-def test_client_refuses_abort_and_wrong_rows():
+def test_client_reads_an_abort_and_refuses_wrong_rows_and_broken_spans():
     case = DATA["cases"]["start_len_e384"]
     req = sglang.parse_generate(case["request"])
     resp = case["response"]
     aborted = {**resp, "meta_info": {**resp["meta_info"], "finish_reason": {"type": "abort", "message": "x"}}}
-    with pytest.raises(ProtocolError, match="aborted"):
-        sglang.parse_generate_response(aborted, req, num_experts=E, num_layers=L, top_k=K)
+    out = sglang.parse_generate_response(aborted, req, num_experts=E, num_layers=L, top_k=K)
+    assert out.finish_reason == "abort" and out.output_ids == resp["output_ids"]
+    g = len(resp["output_ids"])
+    for spans in ([{"version": "1", "start": 0, "end": g - 1}],  # short of G
+                  [{"version": "1", "start": 0, "end": 1}, {"version": "2", "start": 2, "end": g}],  # a gap
+                  [{"version": "x", "start": 0, "end": g}], [{"version": "1", "start": 0, "end": 0}], "0-3:1"):
+        broken = {**resp, "meta_info": {**resp["meta_info"], "weight_versions": spans}}
+        with pytest.raises(ProtocolError, match="weight_versions"):
+            sglang.parse_generate_response(broken, req, num_experts=E, num_layers=L, top_k=K)
     routes = np.asarray(case["routes"])
     bad = {**resp, "meta_info": {**resp["meta_info"], "routed_experts": sglang.encode_routes(routes[1:], E)}}
     with pytest.raises(ProtocolError, match="rows"):
@@ -161,5 +168,6 @@ def test_an_aborted_output_renders_as_sglangs_abort():
                          prompt_tokens=3, cached_tokens=0, weight_version=2, routed_experts_start=0)
     obj = sglang.render_generate(out, req, num_experts=E, rid="r")
     assert obj["meta_info"]["finish_reason"]["type"] == "abort"
-    with pytest.raises(ProtocolError, match="aborted by a weight update"):
-        sglang.parse_generate_response(obj, req, num_experts=E, num_layers=L, top_k=K)
+    back = sglang.parse_generate_response(obj, req, num_experts=E, num_layers=L, top_k=K)
+    assert (back.finish_reason, back.output_ids, back.logprobs) == ("abort", [4, 5], [-0.5, -0.25])
+    assert back.weight_versions == ((0, 2),)  # one version: from meta_info.weight_version

@@ -172,7 +172,8 @@ def test_client_refuses_broken_answers():
     short = skyrl.encode_routes(np.asarray(case["routes"])[:-1], E)
     for broken, match in [({**choice, "routed_experts": None}, "packed routed_experts"),
                           ({**choice, "routed_experts": short}, "rows: expected"),
-                          ({**choice, "finish_reason": "abort"}, "finish_reason"),
+                          ({**choice, "finish_reason": "cancelled"}, "finish_reason"),
+                          ({**choice, "weight_versions": [[1, 3]]}, "weight_versions"),
                           ({**choice, "token_ids": []}, "token ids"),
                           ({**choice, "logprobs": None}, "logprobs")]:
         with pytest.raises(ProtocolError, match=match):

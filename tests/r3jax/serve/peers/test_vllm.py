@@ -246,3 +246,49 @@ def test_chat_answer_read_by_the_client_against_the_rendered_prompt():
         parse_chat_response(json.dumps(short), req, num_experts=E, num_layers=L, top_k=K)
     with pytest.raises(ValueError, match="messages"):
         ChatRequest(messages=[])
+
+
+@pytest.mark.parametrize("form", ["vllm", "skyrl", "sglang"])
+@pytest.mark.parametrize("spans", [((0, 2),), ((0, 2), (3, 3)), ((0, 1), (1, 4), (4, 6))])
+@pytest.mark.parametrize("finish", ["length", "abort"])
+def test_version_spans_and_abort_round_trip_every_peer_form(form, spans, finish):
+    """An output's weight-version spans and an abort finish survive each peer form's server render and
+    client parse. A one-version output sends no spans field (the answer stays the peer's own bytes): the
+    client takes the answer's version (SGLang's ``weight_version``; the others' ``X-Weight-Version``
+    header, applied by the client after parsing). SGLang's field is ``meta_info.weight_versions`` as
+    ``[{"version": str, "start", "end"}]``; vLLM's and SkyRL's an extension ``weight_versions`` of the choice."""
+    import dataclasses
+
+    from r3jax.serve.peers import common, sglang, skyrl
+
+    g, E = 6, 8
+    req = GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=8, return_logprobs=True, return_routed_experts=True)
+    routes = (np.arange(3 + g - 1)[:, None, None] + np.array([0, 1])).astype(np.uint8) % E  # [rows, 1, 2] distinct
+    out = GenerateOutput(output_ids=[4, 5, 6, 7, 8, 9], logprobs=[-0.5] * g, finish_reason=finish,
+                         routed_experts=routes, prompt_tokens=3, cached_tokens=0, weight_version=spans[0][1],
+                         routed_experts_start=0, weight_versions=spans)
+    kw = dict(num_experts=E, num_layers=1, top_k=2)
+    if form == "vllm":
+        body = vllm.render_completion(out, req, model="m", request_id="r", created=0, num_experts=E)
+        field = body["choices"][0].get("weight_versions")
+        back = vllm.parse_completion_response(json.dumps(body), req, **kw)
+    elif form == "skyrl":
+        body = skyrl.render_generate(out, req, num_experts=E)
+        field = body["choices"][0].get("weight_versions")
+        back = skyrl.parse_generate_response(skyrl.dumps(body), req, **kw)
+    else:
+        body = sglang.render_generate(out, req, num_experts=E, rid="r")
+        field = body["meta_info"].get("weight_versions")
+        back = sglang.parse_generate_response(json.dumps(body), req, **kw)
+    if len(spans) == 1:
+        assert field is None
+    elif form == "sglang":
+        ends = [i for i, _ in spans[1:]] + [g]
+        assert field == [{"version": str(v), "start": i, "end": e} for (i, v), e in zip(spans, ends)]
+    else:
+        assert field == [list(s) for s in spans]
+    if form != "sglang":  # what the client does with the X-Weight-Version header next
+        back = common.one_span(dataclasses.replace(back, weight_version=out.weight_version))
+    assert (back.finish_reason, back.output_ids, back.logprobs) == (finish, out.output_ids, out.logprobs)
+    assert tuple(back.weight_versions) == spans
+    np.testing.assert_array_equal(back.routed_experts, routes)
