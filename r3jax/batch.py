@@ -30,7 +30,9 @@ class Batch:
     routes [B, S, L, K] in ``route_dtype(E)``; route_mask [B, S] bool (True where a captured row
     exists; False rows hold ``0..K-1``); token_versions [B, S] int32 (the weight version that sampled
     each generated token, -1 where none did or the trajectory does not say; :func:`mask_stale` reads it),
-    or None (a batch built without it)."""
+    or None (a batch built without it); route_versions [B, S] int32 (the weight version whose forward
+    produced each captured route row, -1 elsewhere: a trainer at version c replays rows ``c - v``
+    versions old), or None."""
 
     tokens: jax.Array
     positions: jax.Array
@@ -42,6 +44,7 @@ class Batch:
     routes: jax.Array
     route_mask: jax.Array
     token_versions: jax.Array | None = None
+    route_versions: jax.Array | None = None
 
 
 def _get(traj: Any, i: int, name: str) -> Any:
@@ -101,10 +104,12 @@ def _trajectory(i: int, traj: Any, num_layers: int, top_k: int, num_experts: int
     if np.issubdtype(routes.dtype, np.integer):
         ids = np.where(captured[:, None, None], routes, uncaptured_rows(n, num_layers, top_k, routes.dtype))
     checks.check_route_ids(ids, num_experts, f"trajectories[{i}].routes")
-    versions = getattr(traj, "token_versions", None) if not isinstance(traj, Mapping) else traj.get("token_versions")
-    versions = np.full(n, -1, np.int32) if versions is None else _vector(i, "token_versions", versions, n, "int")
+    stamps = {}
+    for name in ("token_versions", "route_versions"):  # optional: -1 (unknown) when absent
+        value = getattr(traj, name, None) if not isinstance(traj, Mapping) else traj.get(name)
+        stamps[name] = np.full(n, -1, np.int32) if value is None else _vector(i, name, value, n, "int")
     return {"tokens": tokens, "loss_mask": loss_mask, "rollout_logprobs": logprobs,
-            "advantage": float(adv), "routes": routes, "captured": captured, "token_versions": versions}
+            "advantage": float(adv), "routes": routes, "captured": captured, **stamps}
 
 
 def bucket_length(length: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
@@ -176,7 +181,8 @@ def collate(trajectories: Sequence[Any], *, seq_len: int | None = None,
            "advantages": np.zeros((b, s), np.float32),
            "rollout_logprobs": np.zeros((b, s), np.float32),
            "routes": np.broadcast_to(fill, (b, s, num_layers, top_k)).copy(),
-           "route_mask": np.zeros((b, s), bool), "token_versions": np.full((b, s), -1, np.int32)}
+           "route_mask": np.zeros((b, s), bool), "token_versions": np.full((b, s), -1, np.int32),
+           "route_versions": np.full((b, s), -1, np.int32)}
     for r, members in enumerate(rows):
         offset = 0
         for seg, j in enumerate(members, start=1):
@@ -191,6 +197,7 @@ def collate(trajectories: Sequence[Any], *, seq_len: int | None = None,
             out["routes"][r, span] = np.where(t["captured"][:, None, None], t["routes"], fill)
             out["route_mask"][r, span] = t["captured"]
             out["token_versions"][r, span] = t["token_versions"]
+            out["route_versions"][r, span] = np.where(t["captured"], t["route_versions"], -1)
             offset += n
     return Batch(attention_mask=out["segment_ids"] > 0, **out)
 

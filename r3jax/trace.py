@@ -139,16 +139,40 @@ class TokenMetadataTrace:
         return jnp.concatenate(self.chunks, axis=0, dtype=self.dtype)
 
 
+def row_versions(prompt_len: int, prompt_start: int, generated_len: int, versions: Any) -> np.ndarray:
+    """``[P - s + G - 1]`` int32: the weight version whose forward pass produced each route row of one
+    call (positions ``[s, P + G - 1)``). Generated token i is sampled from the forward at position
+    ``P + i - 1``, so the row of position ``P + i - 1`` (i >= 1) comes from token i's version, and the
+    prompt's rows ``[s, P)`` from the first token's (the prefill step that sampled it). ``versions``:
+    an int, spans ``((first token index, version), ...)`` from index 0, or None (every row -1)."""
+    p, s, g = prompt_len, prompt_start, generated_len
+    per_token = np.full(g, -1, np.int32)
+    if versions is not None and not isinstance(versions, (tuple, list)):
+        per_token[:] = check_int("versions", versions, -1)
+    elif versions:
+        firsts = [check_int(f"versions[{j}][0]", span[0]) for j, span in enumerate(versions)]
+        if firsts[0] != 0 or firsts != sorted(set(firsts)) or firsts[-1] >= g:
+            raise ValueError(f"versions={list(versions)}: expected spans ((first token index, version), ...) "
+                             f"from index 0, rising, below generated_len={g}")
+        for j, (first, version) in enumerate(versions):
+            per_token[first:firsts[j + 1] if j + 1 < len(firsts) else g] = check_int(f"versions[{j}][1]", version, -1)
+    return np.concatenate([np.full(p - s, per_token[0], np.int32), per_token[1:]])
+
+
 @struct.dataclass
 class RoutedExpertTrace:
     """Routes of one trajectory, recorded call by call (docs/design.md §3–§5).
 
     ``moe_layer_ids``: global ids of the L MoE layers, or None until the first ``record`` that
-    names them. Row i of the trace is the route row of absolute token i.
+    names them. Row i of the trace is the route row of absolute token i. ``version_runs``: the weight
+    version whose forward pass produced each row, as runs ``((first row, version), ...)`` (-1 where a
+    call did not say), so rows recorded before a weight update keep their version after it (never
+    re-stamped by a later call). Host metadata, not a leaf: ``jax.tree.map`` over a trace maps routes only.
     """
 
     moe_layer_ids: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
     rows: TokenMetadataTrace = TokenMetadataTrace()
+    version_runs: tuple[tuple[int, int], ...] = struct.field(pytree_node=False, default=())
 
     def __post_init__(self):
         # Static metadata must be a hashable tuple for jit; this also runs on unflatten, so it
@@ -163,12 +187,15 @@ class RoutedExpertTrace:
         return self.rows.num_rows
 
     def record(self, *, prompt_len: int, generated_len: int, routes: Any,
-               layers: Sequence[int] | None = None) -> "RoutedExpertTrace":
+               layers: Sequence[int] | None = None, versions: Any = None) -> "RoutedExpertTrace":
         """A new trace with one engine call's rows appended; ``self`` is unchanged.
 
         prompt_len P >= prompt_start s, generated_len G >= 1, routes ``[P - s + G - 1, L, K]``
         with K >= 1 (any integer dtype but bool, int8 and uint64; the trace widens). ``layers``: the
         payload's MoE layer ids; they must equal this trace's ``moe_layer_ids`` when both are known.
+        ``versions``: the call's weight version (an int) or its ``weight_versions`` spans
+        ``((first token index, version), ...)`` over the G generated tokens (:func:`row_versions` says
+        which rows each version produced); None records -1 (unknown).
         Shapes and dtypes only are checked here (so this runs under ``jax.jit``); id values are
         checked where they enter: the route decoders, the engine and ``collate``.
         """
@@ -201,13 +228,29 @@ class RoutedExpertTrace:
         if routes.shape[0] != want:
             raise ValueError(f"routes has {routes.shape[0]} rows: expected prompt_len - prompt_start "
                              f"+ generated_len - 1 = {p} - {s} + {g} - 1 = {want}")
-        return self.replace(moe_layer_ids=ids, rows=self.rows.append(routes, want, name="routes"))
+        runs = list(self.version_runs) or ([(0, -1)] if s else [])
+        stamps = row_versions(p, s, g, versions)
+        for j in np.flatnonzero(np.diff(stamps, prepend=np.int32(-2) if not runs else runs[-1][1])):
+            runs.append((s + int(j), int(stamps[j])))
+        return self.replace(moe_layer_ids=ids, rows=self.rows.append(routes, want, name="routes"),
+                            version_runs=tuple(runs))
+
+    def row_versions(self, token_count: int | None = None) -> np.ndarray:
+        """``[prompt_start]`` int32 (or ``[token_count]``, -1 past the recorded rows): the weight version
+        that produced each recorded row (-1: unknown)."""
+        n = self.prompt_start if token_count is None else check_int("token_count", token_count, self.prompt_start)
+        out = np.full(n, -1, np.int32)
+        runs = self.version_runs
+        for j, (first, version) in enumerate(runs):
+            out[first:runs[j + 1][0] if j + 1 < len(runs) else self.prompt_start] = version
+        return out
 
     def truncate(self, rows: int) -> "RoutedExpertTrace":
         """A new trace keeping the rows of tokens ``[0, rows)``: the conversation was re-rendered and
         differs from token ``rows`` on, so the next call asks for rows from there
         (``routed_experts_prompt_start = rows``)."""
-        return self.replace(rows=self.rows.truncate(rows))
+        cut = self.rows.truncate(rows)
+        return self.replace(rows=cut, version_runs=tuple(r for r in self.version_runs if r[0] < rows))
 
     def finalize(self, *, token_count: int, loss_mask: Any) -> tuple[np.ndarray, np.ndarray]:
         """Host-side: ``(routes [N, L, K], captured [N] bool)`` for a trajectory of N tokens.

@@ -50,7 +50,9 @@ class Trajectory:
     ``response_loss_mask [R]`` f32 (1 on generated tokens, 0 on observations and synthetic EOS);
     ``response_logprobs [R]`` f32 (rollout logprob of each generated token, 0 elsewhere);
     ``routes [N, L, K]`` in ``route_dtype(E)`` and ``captured [N]`` bool from
-    :meth:`RoutedExpertTrace.finalize` (N = P0 + R).
+    :meth:`RoutedExpertTrace.finalize` (N = P0 + R); ``route_versions [N]`` int32: the weight version
+    whose forward pass produced each captured row (:meth:`RoutedExpertTrace.row_versions`; -1 on
+    uncaptured rows), each turn's rows keeping the version of the call that returned them.
 
     ``reward``: sum of the environment's step rewards; ``advantage``: set by the trainer
     (default 0). ``weight_version``: the version that sampled the first turn;
@@ -77,6 +79,7 @@ class Trajectory:
     env_seed: int = 0
     moe_layer_ids: tuple[int, ...] = ()
     advantage: float = 0.0
+    route_versions: np.ndarray | None = None
 
     # ---- the full-sequence view that collate reads -------------------------------------------
     @property

@@ -20,7 +20,7 @@ from r3jax.batch import Batch
 
 FORMAT = "r3jax.train.batch_file/1"
 FIELDS = tuple(f.name for f in dataclasses.fields(Batch))
-OPTIONAL = ("token_versions",)  # absent from directories written before it (or from a batch without it)
+OPTIONAL = ("token_versions", "route_versions")  # absent from directories written before it (or from a batch without it)
 
 
 def write_rows(path, batch: Batch) -> Path:

@@ -205,3 +205,28 @@ def test_truncate_keeps_the_first_rows_and_the_schema():
         trace.truncate(13)
     with pytest.raises(ValueError, match="rows"):
         trace.truncate(-1)
+
+
+def test_each_row_keeps_the_version_whose_forward_produced_it():
+    """Rows ``[s, P)`` come from the first token's version (the prefill that sampled it), the row of
+    position ``P + i - 1`` from token i's; a later call never re-stamps earlier rows; truncation keeps
+    versions aligned with rows; a call without versions records -1."""
+    from r3jax.trace import row_versions
+
+    assert row_versions(5, 2, 4, ((0, 3), (2, 4))).tolist() == [3, 3, 3, 3, 4, 4]
+    assert row_versions(5, 5, 1, 7).tolist() == []  # no row: the prompt was captured, one token
+    assert row_versions(3, 0, 2, None).tolist() == [-1] * 4
+    rows = lambda n: np.zeros((n, 2, 2), np.uint8)  # noqa: E731
+    t = RoutedExpertTrace().record(prompt_len=5, generated_len=4, routes=rows(8), versions=((0, 3), (2, 4)))
+    t = t.record(prompt_len=12, generated_len=2, routes=rows(5), versions=5)
+    assert t.row_versions().tolist() == [3] * 6 + [4, 4] + [5] * 5
+    assert t.row_versions(15).tolist() == [3] * 6 + [4, 4] + [5] * 5 + [-1, -1]
+    cut = t.truncate(7)
+    assert cut.row_versions().tolist() == [3] * 6 + [4]
+    again = cut.record(prompt_len=9, generated_len=1, routes=rows(2))
+    assert again.row_versions().tolist() == [3] * 6 + [4, -1, -1]
+    for bad in (((1, 3),), ((0, 3), (0, 4)), ((0, 3), (4, 4))):
+        with pytest.raises(ValueError, match="versions="):
+            RoutedExpertTrace().record(prompt_len=5, generated_len=4, routes=rows(8), versions=bad)
+    with pytest.raises(ValueError, match="token_count"):
+        t.row_versions(3)

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from models import MoeConfig, MoeTransformer
+from r3jax.batch import collate
 from r3jax.engine import Engine
 from r3jax.rollout import AgentLoop, ArithmeticEnv, GuessNumberEnv
 
@@ -301,3 +302,14 @@ def test_a_turn_aborted_by_two_weight_updates_keeps_each_segments_routes(engine,
     for j, t in enumerate(traj.turns):
         want[t.prompt_tokens:t.prompt_tokens + t.generated_tokens] = v0 + j
     np.testing.assert_array_equal(traj.token_versions, want)
+    # each segment's route rows keep the version that produced them (the trace's own record, never
+    # re-stamped by a later call), and collate carries them into the batch
+    rows = np.full(traj.num_tokens, -1)
+    for j, t in enumerate(traj.turns):
+        rows[t.routes_start:t.prompt_tokens + t.generated_tokens - 1] = v0 + j
+    np.testing.assert_array_equal(traj.route_versions, rows)
+    cfg = engine.config
+    batch = collate([traj], seq_len=MAX_SEQ, num_experts=cfg.num_experts, top_k=cfg.top_k,
+                    num_layers=cfg.num_moe_layers)
+    np.testing.assert_array_equal(np.asarray(batch.route_versions)[0, :traj.num_tokens], rows)
+    assert (np.asarray(batch.route_versions)[0, traj.num_tokens:] == -1).all()
