@@ -65,8 +65,9 @@ def parse_args(argv):
                     help="asynchronous RL: the next step's rollouts are sampled while the trainer steps; weights "
                          "are pushed with mode=keep, so a trajectory can span versions")
     ap.add_argument("--max-staleness", type=int, default=1,
-                    help="with --async: tokens sampled more than this many weight versions before the trained "
-                         "one are masked out of the loss (counted in stale_masked)")
+                    help="with --async: rollouts run at most this many steps ahead of the trainer, and tokens "
+                         "sampled more than this many weight versions before the trained one are masked out of "
+                         "the loss (counted in stale_masked); 0 samples each step on the previous step's weights")
     ap.add_argument("--router-noise", type=float, default=0.0,
                     help="simulated selection noise on the rollout engine's router logits (a mismatch knob)")
     ap.add_argument("--save-every", type=int, default=5)

@@ -85,12 +85,18 @@ class Rollouts:
             stack.callback(self.generator.close)
 
     def sync(self, state, mode: str | None = None) -> int:
-        """Push ``state``'s weights; ``mode`` as ``Engine.set_weights`` ("keep" while rollouts run on)."""
+        """Push ``state``'s weights as version ``state.step + 1`` (the weights after k optimizer steps are
+        version k + 1, so a resumed run goes on numbering where it stopped and a token's staleness
+        ``current - version`` means the same across restarts); ``mode`` as ``Engine.set_weights``
+        ("keep" while rollouts run on)."""
+        import jax
+
         from r3jax.train import push_to_engine, push_to_server
 
+        version = int(jax.device_get(state.step)) + 1
         if self.url is None:
-            return push_to_engine(self.generator, state, mode=mode)
-        return push_to_server(self.url, self.sync_dir, state, mode=mode)
+            return push_to_engine(self.generator, state, mode=mode, version=version)
+        return push_to_server(self.url, self.sync_dir, state, mode=mode, version=version)
 
 
 EVAL_SEEDS = 1 << 31  # held-out environments: env seeds from here on (training's are drawn in [0, 2**31))

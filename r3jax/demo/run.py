@@ -148,23 +148,34 @@ def _step(args, mode: str, step: int, state, mesh, rollouts: Rollouts, ckpt: Che
 
 
 class Sampler:
-    """Asynchronous RL's rollout side: a thread samples step after step (from ``start``) into a queue of
-    one, so the trainer's step ``t`` runs while step ``t + 1`` is sampled on the weights pushed so far
-    (mode "keep": a trajectory can span versions). ``take()`` returns the next ``(trajectories,
-    seconds)`` or raises what the thread raised."""
+    """Asynchronous RL's rollout side: a thread samples step after step (from ``start``) while the
+    trainer steps, on the weights pushed so far (mode "keep": a trajectory can span versions). It runs
+    at most ``args.max_staleness`` steps ahead: step s's rollouts start once version ``s + 1 -
+    max_staleness`` is pushed (the trainer trains step s at version s + 1), so no token is older than the
+    bound when trained on (0: each step waits for the previous one's weights, as synchronous RL does).
+    ``pushed(version)`` tells it of each push; ``take()`` returns the next ``(trajectories, seconds)``
+    or raises what the thread raised."""
 
-    def __init__(self, args, rollouts: Rollouts, start: int):
+    def __init__(self, args, rollouts: Rollouts, start: int, version: int):
         self.args, self.rollouts, self.next = args, rollouts, start
-        self.queue: queue.Queue = queue.Queue(maxsize=1)
+        self.queue: queue.Queue = queue.Queue(maxsize=args.max_staleness + 1)
         self.stop = threading.Event()
+        self.cond, self.version = threading.Condition(), version
         self.thread = threading.Thread(target=self._run, name="r3jax-demo-sampler", daemon=True)
 
     def __enter__(self) -> "Sampler":
         self.thread.start()
         return self
 
+    def pushed(self, version: int) -> None:
+        with self.cond:
+            self.version = version
+            self.cond.notify_all()
+
     def __exit__(self, *exc) -> None:
         self.stop.set()
+        with self.cond:
+            self.cond.notify_all()
         while self.thread.is_alive():  # unblock a put waiting for room
             try:
                 self.queue.get(timeout=0.1)
@@ -175,6 +186,11 @@ class Sampler:
     def _run(self) -> None:
         try:
             for step in range(self.next, self.args.steps):
+                with self.cond:  # the staleness bound: not more than max_staleness steps ahead
+                    while self.version < step + 1 - self.args.max_staleness and not self.stop.is_set():
+                        self.cond.wait()
+                if self.stop.is_set():
+                    return
                 item = _rollout(self.args, step, self.rollouts)
                 while not self.stop.is_set():
                     try:
@@ -214,7 +230,8 @@ def run(args, mode: str, warm_model, mesh, rollouts: Rollouts, out: Path) -> lis
             version = rollouts.sync(state)
             bar = tqdm(range(start, args.steps), desc=f"replay={mode} seed={args.seed}", disable=args.no_progress,
                        initial=start, total=args.steps)
-            with Sampler(args, rollouts, start) if getattr(args, "async_rl", False) else contextlib.nullcontext() as ahead:
+            sampler = Sampler(args, rollouts, start, version) if getattr(args, "async_rl", False) else None
+            with sampler if sampler is not None else contextlib.nullcontext() as ahead:
                 for step in bar:
                     if ahead is None:
                         rec, state = _step(args, mode, step, state, mesh, rollouts, ckpt)
@@ -222,6 +239,7 @@ def run(args, mode: str, warm_model, mesh, rollouts: Rollouts, out: Path) -> lis
                         rec, state = _step(args, mode, step, state, mesh, rollouts, ckpt, ready=ahead.take(),
                                            version=version)
                         version = rec["weight_version"]
+                        ahead.pushed(version)
                     log.write(rec)
                     records.append(rec)
                     bar.set_postfix(reward=f"{rec['reward']:.3f}", k3=f"{rec['k3_kl']:.1e}",

@@ -281,8 +281,11 @@ class Engine:
                 f.cancel()
             raise
 
-    def set_weights(self, params_state, abort_in_flight: bool = False, *, mode: str | None = None) -> int:
-        """Replace the weights and return the new ``weight_version``.
+    def set_weights(self, params_state, abort_in_flight: bool = False, *, mode: str | None = None,
+                    version: int | None = None) -> int:
+        """Replace the weights and return the new ``weight_version``: ``version`` when given (it must be
+        above the current one: a trainer numbers its pushes by its step, so versions survive a restart
+        of either side), else the current one + 1.
 
         ``params_state``: an ``nnx.State`` shaped like ``nnx.state(model, nnx.Param)``, optionally with
         the model's router biases (:func:`r3jax.params_io.weights_of`), on any devices: each array is
@@ -306,6 +309,8 @@ class Engine:
         if abort_in_flight and mode not in (None, "abort"):
             raise FieldError("abort_in_flight", True, f"False with mode={mode!r}")
         mode = "wait" if mode is None else mode
+        if version is not None:
+            check_int("version", version, self.weight_version + 1)
         params, biases = split_weights(params_state) if isinstance(params_state, nnx.State) else (params_state, None)
         _check_like("params_state", params, self._params)
         placed = self.placement.params(params, like=self._params)
@@ -314,7 +319,7 @@ class Engine:
             old_biases, other = nnx.split_state(self._rest, RouterBias, ...)
             _check_like("params_state (router biases)", biases, old_biases)
             rest = nnx.merge_state(self.placement.params(biases, like=old_biases), other)
-        return self._sched.control(functools.partial(self._swap, placed, rest), drain=mode == "wait",
+        return self._sched.control(functools.partial(self._swap, placed, rest, version), drain=mode == "wait",
                                    abort="error" if abort_in_flight else ("return" if mode == "abort" else None))
 
     def warmup(self) -> dict:
@@ -331,9 +336,11 @@ class Engine:
         self.programs.release()
 
     # ---- loop callbacks (scheduler thread only) ----------------------------------------------------
-    def _swap(self, placed, rest) -> int:
+    def _swap(self, placed, rest, version: int | None = None) -> int:
+        if version is not None and version <= self.weight_version:  # another update got in first
+            raise FieldError("version", version, f"an int > weight_version={self.weight_version}")
         self._params, self._rest = placed, rest
-        self.weight_version += 1
+        self.weight_version = self.weight_version + 1 if version is None else int(version)
         self.pool.clear(self.weight_version)
         return self.weight_version
 

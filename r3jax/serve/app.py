@@ -7,7 +7,8 @@ Endpoints::
                         once the engine cannot continue (or its warm-up failed), 503 while shutting down)
     GET  /v1/model      ModelInfo: E, K, L, moe_layer_ids, vocab_size, max_seq_len, weight_version
     POST /v1/generate   GenerateBody -> GenerateResponse (n > 1: GenerateSamplesResponse)
-    POST /v1/weights    {"path": dir, "format": "orbax" | "safetensors"} -> {"weight_version": n};
+    POST /v1/weights    {"path": dir, "format": "orbax" | "safetensors", "weight_version": n (optional,
+                        above the current one; default current + 1)} -> {"weight_version": n};
                         ``?mode=wait`` (default) lets requests in flight finish on the old weights
                         first, ``keep`` swaps between two device steps and lets them go on with the new
                         ones (``weight_versions`` spans say which tokens came from which), ``abort``
@@ -347,8 +348,15 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = DEFA
                 raise schema.InputError("path", f"path={body.path!r} ({body.format}): "
                                         f"{type(e).__name__}: {e}") from None
             kwargs = {"abort_in_flight": True} if abort in ("true", "1") else {"mode": mode}
+            if body.weight_version is not None:
+                kwargs["version"] = body.weight_version
             try:
                 version = await bridge.run_exclusive(lambda: engine.set_weights(state, **kwargs))
+            except FieldError as e:
+                if e.field != "version":
+                    raise schema.InputError("path", f"path={body.path!r}: {e}") from None
+                raise schema.InputError("weight_version", f"weight_version={body.weight_version}: expected an int "
+                                        f"> the current weight_version={engine.weight_version}") from None
             except ValueError as e:  # the engine's own structure / shape check
                 raise schema.InputError("path", f"path={body.path!r}: {e}") from None
         return {"weight_version": int(version)}

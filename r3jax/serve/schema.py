@@ -88,6 +88,8 @@ class WeightsBody(_Strict):
 
     path: str = Field(description="directory on the server's file system")
     format: Literal["orbax", "safetensors"]
+    weight_version: int | None = Field(default=None, description="the new weights' version (above the current "
+                                       "one; default: the current one + 1), e.g. the trainer's step")
 
 
 class RoutesWire(BaseModel):

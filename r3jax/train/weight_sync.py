@@ -18,30 +18,34 @@ from r3jax.params_io import export_params, load_params, params_of, weights_of
 __all__ = ["export_params", "load_params", "params_of", "push_to_engine", "push_to_server", "weights_of"]
 
 
-def push_to_engine(engine: Any, model_or_state: Any, *, mode: str | None = None) -> int:
-    """In-process sync: ``engine.set_weights(weights, mode=mode)`` (Params and router biases,
-    :func:`r3jax.params_io.weights_of`; ``mode`` "wait" (None: the default), "keep" or "abort": what
-    requests running meanwhile do, ``Engine.set_weights``); returns the engine's new weight_version.
+def push_to_engine(engine: Any, model_or_state: Any, *, mode: str | None = None, version: int | None = None) -> int:
+    """In-process sync: ``engine.set_weights(weights, mode=mode, version=version)`` (Params and router
+    biases, :func:`r3jax.params_io.weights_of`; ``mode`` "wait" (None: the default), "keep" or "abort":
+    what requests running meanwhile do; ``version``: the new weight version, e.g. the trainer's step,
+    default the engine's + 1, ``Engine.set_weights``); returns the engine's new weight_version.
 
     Each array is handed over where it lives (sharded on the trainer's mesh, say): the engine copies
     it onto its own placement device to device (:func:`r3jax.sharding.place_copy`), never through the
     host or one gathering device, and its params keep the engine's shardings, so its step programs
     compile once whatever the trainer's layout.
     """
-    return int(engine.set_weights(weights_of(model_or_state), mode=mode))
+    kw = {} if version is None else {"version": int(version)}
+    return int(engine.set_weights(weights_of(model_or_state), mode=mode, **kw))
 
 
 def push_to_server(url: str, path, model_or_state: Any, *, api_key: str | None = None,
-                   timeout: float = 120.0, client: httpx.Client | None = None, mode: str | None = None) -> int:
+                   timeout: float = 120.0, client: httpx.Client | None = None, mode: str | None = None,
+                   version: int | None = None) -> int:
     """Remote sync: export the params to ``path`` (a directory the server can read), then
-    ``POST {url}/v1/weights`` (``?mode=`` when given) and return the server's new ``weight_version``.
+    ``POST {url}/v1/weights`` (``?mode=`` when given; ``weight_version``: ``version`` when given) and
+    return the server's new ``weight_version``.
 
     Raises ``httpx.HTTPStatusError`` for a non-2xx answer and ValueError for a body without an int
     ``weight_version``. ``client`` lets tests inject a transport.
     """
     path = export_params(path, model_or_state)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    body = {"path": str(path), "format": "orbax"}
+    body = {"path": str(path), "format": "orbax", **({} if version is None else {"weight_version": int(version)})}
     own = client is None
     client = httpx.Client(timeout=timeout) if own else client
     try:

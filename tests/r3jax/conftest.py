@@ -122,8 +122,12 @@ class FakeEngine:
         self.stats["requests"] += len(requests)
         return outs
 
-    def set_weights(self, state, abort_in_flight: bool = False) -> int:
-        self.weight_version += 1
+    def set_weights(self, state, abort_in_flight: bool = False, *, mode=None, version=None) -> int:
+        from r3jax.checks import check_int
+
+        if version is not None:
+            check_int("version", version, self.weight_version + 1)
+        self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
 
 

@@ -190,6 +190,21 @@ def test_set_weights_mode_is_checked(engine, weights):
         engine.set_weights(weights[0], abort_in_flight=True, mode="keep")
 
 
+def test_set_weights_takes_the_callers_version_above_the_current_one(engine, weights):
+    """A trainer numbers its pushes (its step): ``version`` sets the new weight_version, which must be
+    above the current one; the version numbering goes on from it."""
+    from r3jax.checks import FieldError
+
+    now = engine.weight_version
+    assert engine.set_weights(weights[0], version=now + 5) == now + 5 == engine.weight_version
+    for bad in (now + 5, now, True, 1.5):
+        with pytest.raises(FieldError, match="version") as e:
+            engine.set_weights(weights[0], version=bad)
+        assert e.value.field == "version"
+    assert engine.weight_version == now + 5  # nothing swapped
+    assert engine.set_weights(weights[0]) == now + 6
+
+
 def test_set_weights_rejects_a_mismatched_tree(tiny_model, engine):
     _, params, _ = nnx.split(tiny_model, nnx.Param, ...)
     bad = jax.tree.map(lambda x: x, params)

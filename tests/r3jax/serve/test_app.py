@@ -316,6 +316,14 @@ def test_weight_updates_orbax_and_safetensors(served, model, tmp_path):
             r = httpx.post(url + "/v1/weights", content=raw, timeout=60)
             assert r.status_code == 422 and r.json()["field"] == field, r.text
         assert engine.weight_version == v0 + 1  # refused loads change nothing
+        good = str(export_params(tmp_path / "orbax", flipped))
+        for version in (v0 + 1, True, "9"):  # not above the current one; not an int
+            r = httpx.post(url + "/v1/weights", json={"path": good, "format": "orbax", "weight_version": version})
+            assert r.status_code == 422 and r.json()["field"] == "weight_version", r.text
+        assert engine.weight_version == v0 + 1
+        r = httpx.post(url + "/v1/weights", json={"path": good, "format": "orbax", "weight_version": v0 + 10})
+        assert r.status_code == 200 and r.json() == {"weight_version": v0 + 10}  # the trainer's numbering
+        v0 = v0 + 10 - 1  # so the pushes below read as before: v0 + 1 is the current version
 
         save_pretrained(model, tmp_path / "hf")
         assert client.update_weights(str(tmp_path / "hf"), "safetensors") == [v0 + 2]
