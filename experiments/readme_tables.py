@@ -90,6 +90,14 @@ def replay_learn(d: dict) -> str:
     return tables({"cells": cells, "comparisons": d["comparisons"]}) + note
 
 
+def async_rl(d: dict) -> str:
+    from experiments.async_rl import tables
+
+    cells = {k: v for k, v in d["cells"].items() if v["complete"]}
+    note = "" if d.get("complete") else "\n\nThe grid is not complete: cells with fewer seeds than asked are left out."
+    return tables({"cells": cells, "comparisons": d["comparisons"]}) + note
+
+
 def replay_rl(d: dict) -> str:
     rows = [{"arm": arm, "seeds": a["seeds"],
              "final_reward": f"{a['final_reward_mean']:.3f} ± {a['final_reward_ci95']:.3f}",
@@ -412,6 +420,15 @@ SECTIONS = [
             "engine (material live disagreement). Mean ± 95% CI over seeds; comparisons: the paired difference "
             "of the last-quarter reward from no replay.",
             lambda d: replay_learn(d) + "\n\n![replay_learn](../experiments/results/replay_learn.png)"),
+    Section("async_rl", "Synchronous and asynchronous RL, without and with replay", "python -m experiments.async_rl",
+            "The learning testbed above, 30 steps, 3 seeds paired across cells. `sync` samples each step's rollouts "
+            "on the previous step's weights; `async<K>` samples up to K steps ahead of the trainer in a thread, "
+            "on the weights pushed so far (mode keep: a trajectory can span versions), so a trained token is at "
+            "most K versions old; R3 replays each route row from the version that produced it. samples/s: "
+            "trajectories per second after step 1 (its compiles left out); version lag: trainer version minus "
+            "the version that sampled each trained token. On 2 CPU cores the sampler and the trainer share "
+            "the cores, so the throughput gain is a lower bound. Comparisons: paired against `sync`, same arm.",
+            async_rl),
     Section("replay_rl", "Replay in RL: none, R2 and R3 with bf16 and int8 rollouts", "python -m experiments.replay_rl",
             "Seeds × {no replay, R2 (trainer routes), R3 (rollout routes)} × {bf16, int8 rollouts} from one "
             "warm start, PPO with two minibatch updates per batch, fp32 trainer, on a model with more experts "

@@ -71,6 +71,7 @@ class Rollouts:
 
         self.sync_dir = out / "weights"
         self.model_config = model.config
+        self.offset = 0  # weight version - (optimizer steps + 1) (see begin)
         if args.in_process:
             self.url = None
             self.generator = Engine(model, max_seq_len=args.max_seq_len,
@@ -84,16 +85,32 @@ class Rollouts:
             self.generator = RemoteInferenceClient([self.url], timeout=120.0)
             stack.callback(self.generator.close)
 
+    def current_version(self) -> int:
+        if self.url is None:
+            return int(self.generator.weight_version)
+        import httpx
+
+        return int(httpx.get(self.url + "/v1/model", timeout=30).json()["weight_version"])
+
+    def begin(self, state) -> int:
+        """A run's first push: the weights after k optimizer steps are version k + 1 + ``offset``, where
+        ``offset`` is 0 unless the generator already holds a later version (an earlier run on the same
+        server): a resumed run on a fresh generator goes on numbering where it stopped, so a token's
+        staleness ``current - version`` means the same across restarts. Returns the version pushed."""
+        import jax
+
+        step = int(jax.device_get(state.step))
+        self.offset = max(0, self.current_version() - step)
+        return self.sync(state)
+
     def sync(self, state, mode: str | None = None) -> int:
-        """Push ``state``'s weights as version ``state.step + 1`` (the weights after k optimizer steps are
-        version k + 1, so a resumed run goes on numbering where it stopped and a token's staleness
-        ``current - version`` means the same across restarts); ``mode`` as ``Engine.set_weights``
-        ("keep" while rollouts run on)."""
+        """Push ``state``'s weights as version ``state.step + 1 + offset`` (:meth:`begin`); ``mode`` as
+        ``Engine.set_weights`` ("keep" while rollouts run on)."""
         import jax
 
         from r3jax.train import push_to_engine, push_to_server
 
-        version = int(jax.device_get(state.step)) + 1
+        version = int(jax.device_get(state.step)) + 1 + self.offset
         if self.url is None:
             return push_to_engine(self.generator, state, mode=mode, version=version)
         return push_to_server(self.url, self.sync_dir, state, mode=mode, version=version)

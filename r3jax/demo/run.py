@@ -136,7 +136,7 @@ def _step(args, mode: str, step: int, state, mesh, rollouts: Rollouts, ckpt: Che
     rec = {"step": step + 1, "replay": mode, "seed": args.seed, "reward": float(rewards.mean()),
            "route_bytes": int(sum(t.route_bytes for t in trajs)),
            "route_rows": int(sum(t.route_rows for t in trajs)),
-           "tokens": int(sum(t.num_tokens for t in trajs)), "weight_version": version,
+           "tokens": int(sum(t.num_tokens for t in trajs)), "samples": len(trajs), "weight_version": version,
            "rollout_s": t_roll, "step_s": time.perf_counter() - t0, **lag}
     rec.update({k: np.asarray(v).tolist() for k, v in metrics.items()})
     every = getattr(args, "eval_every", 0)
@@ -227,10 +227,12 @@ def run(args, mode: str, warm_model, mesh, rollouts: Rollouts, out: Path) -> lis
         name = f"{mode}-seed{args.seed}"  # one TensorBoard / W&B run per replay mode and seed
         with MetricWriters(out / "metrics.jsonl", tensorboard=None if tb is None else Path(tb) / name, wandb=wandb,
                            run_name=name, config={k: getattr(args, k) for k in HPARAMS}) as log:
-            version = rollouts.sync(state)
+            version = rollouts.begin(state)
+            t_loop = time.perf_counter()
             bar = tqdm(range(start, args.steps), desc=f"replay={mode} seed={args.seed}", disable=args.no_progress,
                        initial=start, total=args.steps)
-            sampler = Sampler(args, rollouts, start, version) if getattr(args, "async_rl", False) else None
+            # the sampler counts in steps: version - offset is the optimizer steps + 1 of the weights pushed
+            sampler = Sampler(args, rollouts, start, version - rollouts.offset) if getattr(args, "async_rl", False) else None
             with sampler if sampler is not None else contextlib.nullcontext() as ahead:
                 for step in bar:
                     if ahead is None:
@@ -239,7 +241,8 @@ def run(args, mode: str, warm_model, mesh, rollouts: Rollouts, out: Path) -> lis
                         rec, state = _step(args, mode, step, state, mesh, rollouts, ckpt, ready=ahead.take(),
                                            version=version)
                         version = rec["weight_version"]
-                        ahead.pushed(version)
+                        ahead.pushed(version - rollouts.offset)
+                    rec["elapsed_s"] = time.perf_counter() - t_loop  # since the loop began (throughput)
                     log.write(rec)
                     records.append(rec)
                     bar.set_postfix(reward=f"{rec['reward']:.3f}", k3=f"{rec['k3_kl']:.1e}",
