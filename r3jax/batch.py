@@ -217,6 +217,16 @@ def mask_stale(batch: Batch, current_version: int, max_staleness: int) -> tuple[
     return batch.replace(loss_mask=np.where(stale, 0, loss).astype(loss.dtype)), int(stale.sum())
 
 
+def version_lag(batch: Batch, current_version: int) -> dict:
+    """``{"version_lag_mean", "version_lag_max"}``: ``current_version`` minus the version that sampled each
+    loss-active token of known version (0 when there is none)."""
+    versions, loss = np.asarray(batch.token_versions), np.asarray(batch.loss_mask)
+    known = (versions >= 0) & (loss > 0)
+    lag = current_version - versions[known]
+    return {"version_lag_mean": float(lag.mean()) if lag.size else 0.0,
+            "version_lag_max": int(lag.max()) if lag.size else 0}
+
+
 def fill_ratio(batch: Batch) -> float:
     """Real tokens / (B * S): the share of the batch that is not padding."""
     mask = np.asarray(batch.attention_mask)

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from models import MoeConfig, MoeTransformer
 from models.hf import load_pretrained
-from r3jax.batch import collate, mask_stale
+from r3jax.batch import collate, mask_stale, version_lag
 from r3jax import run_log
 from r3jax.writers import MetricWriters
 from r3jax.demo.cli import loss_config
@@ -122,10 +122,7 @@ def _step(args, mode: str, step: int, state, mesh, rollouts: Rollouts, ckpt: Che
                     num_layers=cfg.num_moe_layers, batch_multiple=batch_multiple(mesh))
     lag = {}
     if version is not None:
-        tv, loss = np.asarray(batch.token_versions), np.asarray(batch.loss_mask)
-        known = (tv >= 0) & (loss > 0)
-        lag = {"version_lag_mean": float((version - tv[known]).mean()) if known.any() else 0.0,
-               "version_lag_max": int((version - tv[known]).max()) if known.any() else 0}
+        lag = version_lag(batch, version)
         batch, lag["stale_masked"] = mask_stale(batch, version, args.max_staleness)
     batch = shard_batch(batch, mesh)
     routes = record_trainer_routes(state, batch) if mode == "trainer" else None  # R2: the pre-update routes

@@ -5,6 +5,8 @@ many (one per host), with orbax checkpoints.
         [--batch-size B] [--replay rollout|trainer|none] [--lr LR] [--mesh DATA,FSDP,EXPERT]
         [--save-every N] [--keep K] [--seed S] [--compilation-cache DIR]
         [--num-processes N|auto --process-id I --coordinator HOST:PORT] [--local-devices N]
+    python -m r3jax train --async --data SPOOL_DIR --out RUN_DIR [--max-staleness K] [--push URL ...]
+        [--wait-timeout S] [... the flags above]
     python -m r3jax train --write-example-data ROWS_DIR [--config tiny] [--rows N] [--seed S]
 
 Every process runs the same command (its own ``--process-id``). The mesh spans all processes'
@@ -15,6 +17,15 @@ devices; step s trains on global rows ``[(s mod N/B) * B, ... + B)`` of ``--data
 ``--num-processes auto`` leaves the rest to JAX's cluster detection (TPU pods, SLURM, Open MPI);
 without these flags ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` are read.
 ``--local-devices N`` simulates N CPU devices per process (a multi-host rehearsal on one machine).
+
+``--async``: asynchronous RL. ``--data`` is a spool (:class:`r3jax.train.spool.Spool`) that rollout
+workers keep filling while the trainer steps; step n trains on batch n (waiting up to ``--wait-timeout``
+seconds for it). The weights after k optimizer steps are version k + 1: tokens sampled more than
+``--max-staleness`` versions before the version being trained are masked out of the loss and counted
+(``stale_masked``; ``version_lag_mean`` / ``version_lag_max`` say how old the rest were), and after
+each step the weights are pushed to every ``--push`` server (``POST /v1/weights``, mode ``keep``, that
+version), so their running requests go on with them. A resumed run goes on with the batch and the
+version after its checkpoint's step.
 """
 
 from __future__ import annotations
@@ -50,12 +61,26 @@ def parse_args(argv):
     ap.add_argument("--write-example-data", default=None, metavar="DIR",
                     help="sample rollouts of the --config model with the engine into DIR and exit")
     ap.add_argument("--rows", type=int, default=16, help="rows for --write-example-data")
+    ap.add_argument("--async", dest="async_rl", action="store_true",
+                    help="train on a spool that rollout workers fill meanwhile (--data: the spool directory)")
+    ap.add_argument("--max-staleness", type=int, default=1,
+                    help="with --async: mask tokens sampled more than this many versions before the trained one")
+    ap.add_argument("--push", action="append", default=[], metavar="URL",
+                    help="with --async: push the weights to this server after every step (repeatable)")
+    ap.add_argument("--wait-timeout", type=float, default=600.0,
+                    help="with --async: seconds to wait for the next batch")
     args = ap.parse_args(argv)
     if args.write_example_data is None and (args.data is None or args.out is None):
         ap.error("--data and --out are required (or --write-example-data DIR)")
     for name in ("steps", "save_every", "keep", "rows"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= 1")
+    if args.max_staleness < 0:
+        ap.error(f"--max-staleness={args.max_staleness}: expected >= 0")
+    if not args.wait_timeout > 0:
+        ap.error(f"--wait-timeout={args.wait_timeout}: expected > 0")
+    if args.push and not args.async_rl:
+        ap.error("--push: expected with --async (a synchronous run reads saved rows and serves no rollouts)")
     try:
         args.mesh_shape = tuple(int(x) for x in args.mesh.split(","))
     except ValueError:
@@ -135,17 +160,53 @@ def _metrics_log(path: Path, start: int, primary: bool, args):
                          config=config)
 
 
+def _pusher(args, out: Path):
+    """``push(state, first=False) -> version``: the weights to every ``--push`` server as version
+    ``state.step + 1`` (mode keep), or None without servers. Process 0 only; a server's 4xx / 5xx stops
+    the run. ``first`` (a run's start): a server that already holds that version got it from this run
+    before a restart (the push precedes the checkpoint) and is left alone; one ahead of it holds weights
+    the restored run does not have, which is an error to resolve by restarting that server."""
+    import httpx
+    import jax
+
+    from r3jax.train import push_to_server
+
+    if not args.push or jax.process_index() != 0:
+        return None
+
+    def push(state, first: bool = False) -> int:
+        version = int(jax.device_get(state.step)) + 1
+        for url in args.push:
+            if first:
+                held = int(httpx.get(url.rstrip("/") + "/v1/model", timeout=60).json()["weight_version"])
+                if held > version:
+                    raise ValueError(f"--push {url}: the server holds weight version {held}, ahead of this run's "
+                                     f"{version} (weights pushed after the last checkpoint); restart that server")
+                if held == version:
+                    continue
+            push_to_server(url, out / "weights", state, mode="keep", version=version)
+        return version
+
+    return push
+
+
 def train(args) -> dict:
     """Run the job; returns ``{"start": first step, "last": final metrics record or None}``."""
     import jax
     import numpy as np
 
+    from r3jax.batch import mask_stale, version_lag
     from r3jax.sharding import make_mesh, process_rows, shard_batch
     from r3jax.train import Checkpointer, record_trainer_routes, train_step
     from r3jax.train.batch_file import num_rows, read_rows
+    from r3jax.train.spool import Spool
 
     mesh = make_mesh(*args.mesh_shape)
-    total = num_rows(args.data)
+    spool = Spool(args.data) if args.async_rl else None
+    if spool is not None and args.push and jax.process_count() > 1:
+        raise ValueError("--push: expected one process (each server loads the exported weights itself; "
+                         "push from a one-process trainer, or push_to_server from your own loop)")
+    total = num_rows(spool.wait(0, args.wait_timeout) if spool is not None else args.data)
     b = total if args.batch_size is None else args.batch_size
     if not 0 < b <= total:
         raise ValueError(f"--batch-size={b}: expected 1..{total} (the rows in {args.data})")
@@ -167,15 +228,35 @@ def train(args) -> dict:
                   f"devices, mesh {dict(mesh.shape)}, {b} rows/step ({mine.stop - mine.start} from each process), "
                   + (f"resuming at step {start}" if restored else "fresh start"), flush=True)
         log = _metrics_log(out / "metrics.jsonl", start, primary, args)
+        push = _pusher(args, out) if spool is not None else None
         try:
+            if push is not None:
+                push(state, first=True)  # the servers sample with the trainer's weights from the first batch on
             for step in range(start, args.steps):
-                first = (step % (total // b)) * b
                 t0 = time.perf_counter()
-                batch = shard_batch(read_rows(args.data, slice(first + mine.start, first + mine.stop)), mesh)
+                extra = {}
+                if spool is None:
+                    first = (step % (total // b)) * b
+                    rows = read_rows(args.data, slice(first + mine.start, first + mine.stop))
+                else:  # batch n, sampled meanwhile; version step + 1 is being trained
+                    path = spool.wait(step, args.wait_timeout)
+                    if num_rows(path) != b:
+                        raise ValueError(f"{path}: {num_rows(path)} rows: expected {b} (every batch of the spool "
+                                         "the same size, --batch-size or the first batch's)")
+                    rows = read_rows(path, slice(mine.start, mine.stop))
+                    if rows.token_versions is None:
+                        raise ValueError(f"{path}: no token_versions.npy: expected batches from collate (their "
+                                         "trajectories' versions), which --async needs for its staleness bound")
+                    extra = version_lag(rows, step + 1)
+                    rows, extra["stale_masked"] = mask_stale(rows, step + 1, args.max_staleness)
+                    extra["wait_s"] = time.perf_counter() - t0
+                batch = shard_batch(rows, mesh)
                 routes = record_trainer_routes(state, batch) if args.replay == "trainer" else None
                 state, m = train_step(state, batch, replay=args.replay, trainer_routes=routes)
                 m = jax.device_get(m)
-                last = {"step": step + 1, "step_s": time.perf_counter() - t0,
+                if push is not None:
+                    extra["weight_version"] = push(state)
+                last = {"step": step + 1, "step_s": time.perf_counter() - t0, **extra,
                         **{k: np.asarray(v).tolist() for k, v in m.items()}}
                 ckpt.save(state, data_cursor={"step": step + 1})  # raises if this or an earlier save failed
                 if log is not None:
