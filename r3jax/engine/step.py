@@ -122,7 +122,8 @@ def decode_loop(graphdef, params, rest, k, v, last, x, extra, *, layout: RaggedL
     later steps write its keys to the trash page and leave its ``last`` alone. Returns ``(k, v, last,
     tokens [steps, R] int32, logprobs [steps, R] f32, routes [steps, R, L, K])`` (``route_shape`` = (L, K));
     entries of a stopped row are left over from the loop and read by nobody (the host stops at the same
-    token)."""
+    token). The loop ends as soon as no row is active: a call whose rows all stop or run out of budget
+    early costs only the steps they ran."""
     if layout.prefill_rows:
         raise ValueError(f"decode_loop runs decode rows only: {layout}")
     model = nnx.merge(graphdef, params, rest)
@@ -133,8 +134,12 @@ def decode_loop(graphdef, params, rest, k, v, last, x, extra, *, layout: RaggedL
     rows = jnp.arange(r)
     slots = last.shape[0]
 
-    def body(i, carry):
-        k, v, last, alive, toks, lps, routes = carry
+    def running(carry):
+        i, alive = carry[0], carry[4]
+        return (i < steps) & jnp.any(alive & (i < budget))
+
+    def body(carry):
+        i, k, v, last, alive, toks, lps, routes = carry
         active = alive & (i < budget)
         pos = x.positions + i
         col = jnp.minimum(pos // page_size, layout.pages_per_row - 1)
@@ -148,10 +153,10 @@ def decode_loop(graphdef, params, rest, k, v, last, x, extra, *, layout: RaggedL
         tok, lp = sample_with_logprobs(logits, x.key_data, x.index + i, x.temperature, x.top_k, x.top_p, x.processed)
         last = last.at[jnp.where(active, x.slot, slots)].set(tok, mode="drop")
         alive = alive & ~(active & (stop == tok[:, None]).any(-1))
-        return (out.cache.k, out.cache.v, last, alive, toks.at[i].set(tok), lps.at[i].set(lp),
+        return (i + 1, out.cache.k, out.cache.v, last, alive, toks.at[i].set(tok), lps.at[i].set(lp),
                 routes.at[i].set(out.routes[0].astype(route_dtype)))
 
-    init = (k, v, last, budget > 0, jnp.zeros((steps, r), jnp.int32), jnp.zeros((steps, r), jnp.float32),
-            jnp.zeros((steps, r, *route_shape), route_dtype))
-    k, v, last, _, toks, lps, routes = jax.lax.fori_loop(0, steps, body, init)
+    init = (jnp.int32(0), k, v, last, budget > 0, jnp.zeros((steps, r), jnp.int32),
+            jnp.zeros((steps, r), jnp.float32), jnp.zeros((steps, r, *route_shape), route_dtype))
+    _, k, v, last, _, toks, lps, routes = jax.lax.while_loop(running, body, init)
     return k, v, last, toks, lps, routes
