@@ -161,6 +161,42 @@ def update_mid_call(engine, requests, params, mode: str, at: int = 3):
     return futures, result["v"]
 
 
+class HeldRequest:
+    """A request submitted straight to ``engine`` whose token callback holds the scheduler at each
+    token count in ``at`` until :meth:`release` (so whatever a test queues meanwhile, over HTTP too,
+    lands at a known point on any machine). :meth:`reached` waits for a hold; :meth:`until` polls a
+    condition (e.g. ``len(engine._sched.waiting) == 1``)."""
+
+    def __init__(self, engine, at=(2, 34), max_tokens: int = 45):
+        import threading
+
+        from r3jax.engine import GenerateRequest
+
+        self._reached = {n: threading.Event() for n in at}
+        self._go = {n: threading.Event() for n in at}
+        self._count = 0
+        self.future = engine.submit(GenerateRequest([9, 8], max_tokens=max_tokens, temperature=0.0), on_token=self._hold)
+
+    def _hold(self, token, logprob):
+        self._count += 1
+        if self._count in self._reached:
+            self._reached[self._count].set()
+            assert self._go[self._count].wait(60)
+
+    def reached(self, n: int) -> None:
+        assert self._reached[n].wait(60), f"the held request never sampled token {n}"
+
+    def release(self, n: int) -> None:
+        self._go[n].set()
+
+    @staticmethod
+    def until(cond, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert cond()
+
+
 @pytest.fixture(scope="session")
 def skyrl_client():
     """SkyRL 0.4.0's own client modules, imported from its unpacked wheel: ``(remote_inference_client,
@@ -193,5 +229,5 @@ def serve_helpers():
     h = H()
     h.wait_healthy, h.thread_server, h.ThreadServer = wait_healthy, thread_server, ThreadServer
     h.free_port, h.start_process, h.FakeEngine, h.REPO = free_port, start_process, FakeEngine, REPO
-    h.update_mid_call = update_mid_call
+    h.update_mid_call, h.HeldRequest = update_mid_call, HeldRequest
     return h

@@ -626,7 +626,7 @@ def test_every_generate_answer_carries_x_weight_version(served, path):
 
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 @pytest.mark.parametrize("protocol", ["r3jax", "skyrl", "vllm", "sglang"])
-def test_weight_version_spans_and_aborts_reach_each_protocols_client(served, protocol, mode):
+def test_weight_version_spans_and_aborts_reach_each_protocols_client(served, serve_helpers, protocol, mode):
     """A weight update lands while a request of ``protocol`` runs, on any machine: a second request's
     token callback holds the scheduler until the HTTP request is queued, then again, once both have run
     a while, until the update is queued. ``keep``: the client reads spans ``[(0, v), (k, v + 1)]`` from
@@ -638,38 +638,22 @@ def test_weight_version_spans_and_aborts_reach_each_protocols_client(served, pro
     engine, url = served
     params = nnx.state(MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0)), nnx.Param)  # the fixture's weights
     req = GenerateRequest([3, 4, 5], max_tokens=50, temperature=0.0, return_routed_experts=True)
-    # the second hold comes a few decode calls later: a call dispatched before the HTTP request was
-    # admitted may still be read after the first hold
-    reached = {2: threading.Event(), 34: threading.Event()}
-    go = {2: threading.Event(), 34: threading.Event()}
-    count = [0]
-
-    def hold(token, logprob):
-        count[0] += 1
-        if count[0] in reached:
-            reached[count[0]].set()
-            assert go[count[0]].wait(60)
-
-    def wait_for(cond):
-        deadline = time.monotonic() + 60
-        while not cond() and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert cond()
-
     version = engine.weight_version
     with RemoteInferenceClient(url, protocol=protocol, model="tiny") as client, \
             concurrent.futures.ThreadPoolExecutor(2) as pool:
-        held = engine.submit(GenerateRequest([9, 8], max_tokens=45, temperature=0.0), on_token=hold)
-        assert reached[2].wait(60)
+        # the second hold comes a few decode calls later: a call dispatched before the HTTP request was
+        # admitted may still be read after the first hold
+        held = serve_helpers.HeldRequest(engine, at=(2, 34))
+        held.reached(2)
         running = pool.submit(lambda: client.generate([req])[0])
-        wait_for(lambda: len(engine._sched.waiting) == 1)  # queued behind the held scheduler
-        go[2].set()
-        assert reached[34].wait(60)  # both running since
+        held.until(lambda: len(engine._sched.waiting) == 1)  # queued behind the held scheduler
+        held.release(2)
+        held.reached(34)  # both running since
         swap = pool.submit(engine.set_weights, jax.tree.map(lambda x: x * 1.5, params), mode=mode)
-        wait_for(lambda: len(engine._sched.controls) == 1)
-        go[34].set()
+        held.until(lambda: len(engine._sched.controls) == 1)
+        held.release(34)
         new, out = swap.result(timeout=120), running.result(timeout=120)
-        held.result(timeout=120)
+        held.future.result(timeout=120)
     engine.set_weights(params)  # back to the fixture's weights (a new version)
     assert new == version + 1
     g = len(out.output_ids)
