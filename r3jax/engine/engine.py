@@ -77,9 +77,8 @@ class Engine:
       decode_steps: decode steps per device call while no prompt is being prefilled (default 8): the
         call runs them in a loop on device, with stop tokens and max_tokens checked there, so the host's
         per-call cost is paid once per ``decode_steps`` tokens of every request. A prompt that arrives
-        meanwhile waits for the call to end; calls with prefill rows decode one step, and while prompts
-        wait the loop after one runs a quarter of ``decode_steps`` (at least 2). A loop ends early when
-        every row has stopped or run its budget.
+        meanwhile waits for the call to end; calls with prefill rows decode one step. A loop ends early
+        when every row has stopped or run its budget.
       dtype: compute dtype override (e.g. bf16 rollouts of an fp32 model); None keeps the model's.
       moe_impl: expert kernel; None picks "gather" on CPU and keeps the model's elsewhere.
       logits_dot_in_fp32: the LM head in fp32 (``MoeConfig.logits_dot_in_fp32``) whatever the compute dtype,

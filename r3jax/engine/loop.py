@@ -212,22 +212,17 @@ class Loop(Admission):
         prefilling = [s for s in self.seqs if s.prefilling]
         if not decoding and not prefilling:
             return False
-        budget = eng.decode_steps
         if decoding and self.mixed_last and eng.decode_steps > 1:
             # after a mixed step (one token per decode row) a decode loop: under a steady stream of
-            # prompts decoding still gets tokens every other call; while prompts wait the loop is cut
-            # short (it ends when its rows' budgets do), so a prompt waits a few steps, not decode_steps
-            if prefilling or self.waiting:
-                budget = max(2, eng.decode_steps // 4)
+            # prompts decoding still gets decode_steps tokens every other call, and a prompt waits one call
             prefilling = []
         t0 = time.perf_counter()
         chunks = choose_chunks(prefilling, eng.prefill_rows, eng.prefill_chunk)
         lay = eng.layout(len(decoding), len(chunks))
         steps = eng.steps_of(lay)
-        if not self._grow(decoding, min(steps, budget)):
+        if not self._grow(decoding, steps):
             return False
-        x, rows = build(eng.pool, decoding, chunks, lay, slots=eng.max_batch_size, steps=steps,
-                        budget=min(steps, budget))
+        x, rows = build(eng.pool, decoding, chunks, lay, slots=eng.max_batch_size, steps=steps)
         self.mixed_last = bool(chunks)
         for row in rows[len(decoding):]:  # prompt pages this step completes: indexed now, rows when they arrive
             if row.seq.job.version == eng.weight_version:  # KV of one version only (weights kept mid-request)
