@@ -29,14 +29,12 @@ import argparse
 import dataclasses
 import json
 import os
-import tempfile
-from pathlib import Path
 
 import numpy as np
 
 from experiments.common import RESULTS
 from experiments.dose_grid import _locked, load, run_grid
-from experiments.replay_learn import TESTBED
+from experiments.replay_learn import TESTBED, demo_records
 from r3jax.metrics import mean_ci95
 
 ARMS = {"none": ["--replay", "none"], "R3": ["--replay", "rollout"]}
@@ -128,13 +126,7 @@ def tables(summary: dict) -> str:
 
 def run_one(testbed: list[str], schedule: Schedule, arm: str, seed: int) -> list[dict]:
     """One demo run of ``arm`` on ``schedule`` with ``--seed seed``; its per-step records."""
-    from r3jax.demo import main as demo_main
-
-    with tempfile.TemporaryDirectory(prefix="r3jax-async-rl-") as out:
-        demo_main(["--in-process", "--seeds", "1", "--seed", str(seed), "--out", out, "--no-progress",
-                   *testbed, *schedule.flags, *ARMS[arm]])
-        path = Path(out) / ARMS[arm][1] / f"seed{seed}" / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return demo_records([*testbed, *schedule.flags, *ARMS[arm]], seed)
 
 
 def parse_args(argv=None):

@@ -151,16 +151,21 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def run_one(testbed: list[str], setting: Setting, arm: str, seed: int) -> list[dict]:
-    """One demo run of ``arm`` on ``setting`` with ``--seed seed``; its per-step records."""
+def demo_records(flags: list[str], seed: int) -> list[dict]:
+    """One in-process demo run with ``flags`` (one ``--replay`` mode among them) and ``--seed seed``; its
+    per-step records (``metrics.jsonl``)."""
     from r3jax.demo import main as demo_main
 
-    with tempfile.TemporaryDirectory(prefix="r3jax-replay-learn-") as out:
-        demo_main(["--in-process", "--seeds", "1", "--seed", str(seed), "--out", out, "--no-progress",
-                   *testbed, *setting.flags, *ARMS[arm]])
-        mode = ARMS[arm][1]
+    mode = flags[flags.index("--replay") + 1]
+    with tempfile.TemporaryDirectory(prefix="r3jax-demo-run-") as out:
+        demo_main(["--in-process", "--seeds", "1", "--seed", str(seed), "--out", out, "--no-progress", *flags])
         path = Path(out) / mode / f"seed{seed}" / "metrics.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_one(testbed: list[str], setting: Setting, arm: str, seed: int) -> list[dict]:
+    """One demo run of ``arm`` on ``setting`` with ``--seed seed``; its per-step records."""
+    return demo_records([*testbed, *setting.flags, *ARMS[arm]], seed)
 
 
 def parse_args(argv=None):
