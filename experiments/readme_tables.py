@@ -82,20 +82,23 @@ def learn_pilot(d: dict) -> str:
                              + (", ".join(learned) if learned else "none") + ".")
 
 
-def replay_learn(d: dict) -> str:
-    from experiments.replay_learn import tables
-
+def _grid(d: dict, tables) -> str:
+    """A resumable grid's tables (``tables`` of its experiment), complete cells only."""
     cells = {k: v for k, v in d["cells"].items() if v["complete"]}
     note = "" if d.get("complete") else "\n\nThe grid is not complete: cells with fewer seeds than asked are left out."
     return tables({"cells": cells, "comparisons": d["comparisons"]}) + note
+
+
+def replay_learn(d: dict) -> str:
+    from experiments.replay_learn import tables
+
+    return _grid(d, tables)
 
 
 def async_rl(d: dict) -> str:
     from experiments.async_rl import tables
 
-    cells = {k: v for k, v in d["cells"].items() if v["complete"]}
-    note = "" if d.get("complete") else "\n\nThe grid is not complete: cells with fewer seeds than asked are left out."
-    return tables({"cells": cells, "comparisons": d["comparisons"]}) + note
+    return _grid(d, tables)
 
 
 def replay_rl(d: dict) -> str:
