@@ -304,7 +304,10 @@ class Engine:
 
         ``abort_in_flight=True`` (the older form) fails them with :class:`EngineAborted` instead.
         Prefix pages computed under one version are never reused under another: the index is cleared
-        at the swap and a request whose KV spans a swap indexes none of its pages."""
+        at the swap and a request whose KV spans a swap indexes none of its pages. The new weights are
+        copied in at the swap, chunk by chunk, each chunk of the old ones freed as its new one arrives
+        (:meth:`r3jax.engine.sharding.Placement.replace`): the engine holds one copy plus at most one
+        chunk (a tenth of the weights, or its largest array), never two copies."""
         if mode is not None and mode not in WEIGHT_UPDATE_MODES:
             raise FieldError("mode", mode, f"one of {', '.join(map(repr, WEIGHT_UPDATE_MODES))} or None")
         if abort_in_flight and mode not in (None, "abort"):
@@ -314,13 +317,12 @@ class Engine:
             check_int("version", version, self.weight_version + 1)
         params, biases = split_weights(params_state) if isinstance(params_state, nnx.State) else (params_state, None)
         _check_like("params_state", params, self._params)
-        placed = self.placement.params(params, like=self._params)
         rest = self._rest
         if biases is not None and jax.tree.leaves(biases):
             old_biases, other = nnx.split_state(self._rest, RouterBias, ...)
             _check_like("params_state (router biases)", biases, old_biases)
             rest = nnx.merge_state(self.placement.params(biases, like=old_biases), other)
-        return self._sched.control(functools.partial(self._swap, placed, rest, version), drain=mode == "wait",
+        return self._sched.control(functools.partial(self._swap, params, rest, version), drain=mode == "wait",
                                    abort="error" if abort_in_flight else ("return" if mode == "abort" else None))
 
     def warmup(self) -> dict:
@@ -337,10 +339,12 @@ class Engine:
         self.programs.release()
 
     # ---- loop callbacks (scheduler thread only) ----------------------------------------------------
-    def _swap(self, placed, rest, version: int | None = None) -> int:
+    def _swap(self, params, rest, version: int | None = None) -> int:
         if version is not None and version <= self.weight_version:  # another update got in first
             raise FieldError("version", version, f"an int > weight_version={self.weight_version}")
-        self._params, self._rest = placed, rest
+        # between two device steps: the new weights replace the old chunk by chunk, each old chunk
+        # freed as its new one arrives (peak near one copy, not two)
+        self._params, self._rest = self.placement.replace(self._params, params), rest
         self.weight_version = self.weight_version + 1 if version is None else int(version)
         self.pool.clear(self.weight_version)
         return self.weight_version

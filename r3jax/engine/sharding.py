@@ -122,6 +122,31 @@ class Placement:
             shardings = self.param_shardings(tree)
         return place_copy(tree, shardings)
 
+    def replace(self, old, new, chunk_fraction: float = 0.1):
+        """``new`` placed like ``old`` (same structure, each leaf on its old leaf's sharding), the old
+        leaves deleted chunk by chunk as the new ones arrive: chunks of at most ``chunk_fraction`` of
+        the tree's bytes (or one leaf, if larger), so the two copies coexist for one chunk only and
+        peak memory stays near one copy (a whole copy first would double it). ``old`` is unusable
+        afterwards; computations already dispatched with it finish (their buffers are held until then)."""
+        olds, treedef = jax.tree.flatten(old)
+        news = jax.tree.leaves(new)
+        limit = chunk_fraction * sum(x.nbytes for x in olds)
+        chunks, size = [[]], 0
+        for i, x in enumerate(olds):
+            if chunks[-1] and size + x.nbytes > limit:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(i)
+            size += x.nbytes
+        out = list(olds)
+        for chunk in chunks:
+            placed = place_copy([news[i] for i in chunk], [olds[i].sharding for i in chunk])
+            for i, y in zip(chunk, placed):
+                if not olds[i].is_deleted():  # (a swap that failed midway deleted some already)
+                    olds[i].delete()
+                out[i] = y
+        return jax.tree.unflatten(treedef, out)
+
     # ---- page pool -----------------------------------------------------------------------------
     def kv(self) -> jax.sharding.Sharding:
         """The page pool's KV buffers [n, P, ps, Hc, Dc] (n layers of a run), by their logical axes
