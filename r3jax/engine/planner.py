@@ -54,8 +54,6 @@ class Seq:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     finished: bool = False
     stopped: bool = False
-    last_step: int = -1
-    first_token_at: float | None = None
 
     @property
     def prompt_len(self) -> int:
