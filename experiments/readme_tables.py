@@ -353,7 +353,8 @@ def serve_start(d: dict) -> str:
             + f"\n\nMedian cold start **{sm['cold_s']:.1f} s** (goal ≤ {d['goals']['cold_s']:.0f} s), restart "
             f"**{sm['restart_s']:.1f} s** (goal ≤ {d['goals']['restart_s']:.0f} s), {sm['programs']} programs."
             + (("\n\nEvery layout the engine could compile (`--mixed-decode-buckets 3`), timed in one process on "
-                "zeroed inputs, programs taking turns (median ms per call; `largest_over_this`: the largest decode "
+                "zeroed inputs (a decode loop's rows run all its steps), programs taking turns (median ms per "
+                "call; `largest_over_this`: the largest decode "
                 "size's call time over this one's, what padding up to it costs; `default`: compiled by the default "
                 "`--mixed-decode-buckets 1`):\n\n"
                 + _t(d["layouts"], ["decode_rows", "prefill_rows", "decode_steps", "compile_s", "call_ms",

@@ -15,7 +15,7 @@ poll costs about 20 ms of CPU, a core taken from the server it measures.
 Then, in this process, the step time of every layout the server's engine could compile, with
 ``--mixed-decode-buckets`` at its largest (decode rows B, B/2, B/4 x prefill rows 0, 1, 4): the
 median of ``--calls`` calls of each compiled program on zeroed inputs (a program's shapes fix its
-work), and ``largest_over_this``: the call time of the largest decode size over this one's, what
+work; a decode loop's rows get their full budget of steps, or the loop would end at once), and ``largest_over_this``: the call time of the largest decode size over this one's, what
 padding this layout's decode rows up would cost it. It shows which programs pay for their compile
 time: padding costs a step that prefills little (its cost is mostly the prefill's) and the decode
 loop much more, so by default only the largest decode size gets the two mixed programs (5 programs,
@@ -107,7 +107,12 @@ def layout_times(model: str, serve_args: list[str], calls: int) -> list[dict]:
                          "default": lay in default})
         for _ in range(calls + 1):  # round robin, so drift hits every program alike; the first round not counted
             for exe, abstract, times in programs:
-                fresh = jax.block_until_ready(jax.tree.map(zeros, abstract))  # the pool is donated: fresh buffers
+                fresh = list(jax.tree.map(zeros, abstract))  # the pool is donated: fresh buffers
+                if len(fresh) > 6:  # a decode loop's budgets and stop ids: every row runs every step
+                    extra = np.full(abstract[6].shape, -1, np.int32)
+                    extra[:, 0] = engine.decode_steps
+                    fresh[6] = jax.device_put(extra, abstract[6].sharding)
+                fresh = jax.block_until_ready(fresh)
                 t0 = time.perf_counter()
                 jax.block_until_ready(exe(*fresh))
                 times.append(time.perf_counter() - t0)
