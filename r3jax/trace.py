@@ -139,6 +139,20 @@ class TokenMetadataTrace:
         return jnp.concatenate(self.chunks, axis=0, dtype=self.dtype)
 
 
+def token_versions(spans: Sequence, generated_len: int) -> np.ndarray:
+    """``[G]`` int32: the version of each of a call's G generated tokens from its spans ``((first token
+    index, version), ...)`` (from index 0, rising, below G)."""
+    g = generated_len
+    firsts = [check_int(f"versions[{j}][0]", span[0]) for j, span in enumerate(spans)]
+    if not firsts or firsts[0] != 0 or firsts != sorted(set(firsts)) or firsts[-1] >= g:
+        raise ValueError(f"versions={list(spans)}: expected spans ((first token index, version), ...) "
+                         f"from index 0, rising, below generated_len={g}")
+    out = np.empty(g, np.int32)
+    for j, (first, version) in enumerate(spans):
+        out[first:firsts[j + 1] if j + 1 < len(firsts) else g] = check_int(f"versions[{j}][1]", version, -1)
+    return out
+
+
 def row_versions(prompt_len: int, prompt_start: int, generated_len: int, versions: Any) -> np.ndarray:
     """``[P - s + G - 1]`` int32: the weight version whose forward pass produced each route row of one
     call (positions ``[s, P + G - 1)``). Generated token i is sampled from the forward at position
@@ -146,16 +160,11 @@ def row_versions(prompt_len: int, prompt_start: int, generated_len: int, version
     prompt's rows ``[s, P)`` from the first token's (the prefill step that sampled it). ``versions``:
     an int, spans ``((first token index, version), ...)`` from index 0, or None (every row -1)."""
     p, s, g = prompt_len, prompt_start, generated_len
-    per_token = np.full(g, -1, np.int32)
-    if versions is not None and not isinstance(versions, (tuple, list)):
-        per_token[:] = check_int("versions", versions, -1)
-    elif versions:
-        firsts = [check_int(f"versions[{j}][0]", span[0]) for j, span in enumerate(versions)]
-        if firsts[0] != 0 or firsts != sorted(set(firsts)) or firsts[-1] >= g:
-            raise ValueError(f"versions={list(versions)}: expected spans ((first token index, version), ...) "
-                             f"from index 0, rising, below generated_len={g}")
-        for j, (first, version) in enumerate(versions):
-            per_token[first:firsts[j + 1] if j + 1 < len(firsts) else g] = check_int(f"versions[{j}][1]", version, -1)
+    if isinstance(versions, (tuple, list)) and versions:
+        per_token = token_versions(versions, g)
+    else:
+        per_token = np.full(g, -1 if versions is None or isinstance(versions, (tuple, list))
+                            else check_int("versions", versions, -1), np.int32)
     return np.concatenate([np.full(p - s, per_token[0], np.int32), per_token[1:]])
 
 

@@ -156,7 +156,7 @@ class ChatEpisode:
         routes = np.asarray(out.routed_experts)
         base = RoutedExpertTrace(self.trace.moe_layer_ids) if self.loop.full_regather else self.trace
         self.trace = base.record(prompt_len=p, generated_len=g, routes=routes,
-                                 versions=getattr(out, "weight_versions", None) or getattr(out, "weight_version", None))
+                                 versions=getattr(out, "weight_versions", ()) or out.weight_version)
         return int(routes.shape[0]), int(routes.nbytes)
 
     def consume(self, out: Any) -> None:
@@ -192,10 +192,6 @@ class ChatEpisode:
             observation_tokens=0, finish_reason=str(out.finish_reason), weight_version=int(out.weight_version),
             reward=float(reward), synthetic_eos=False, rerendered_from=self._rerendered))
 
-    def _route_versions(self, n: int) -> np.ndarray:
-        """``[n]`` int32: the version that produced each captured route row (-1 where none is captured)."""
-        return self.trace.row_versions(n) if self.with_routes else np.full(n, -1, np.int32)
-
     def result(self) -> Trajectory:
         info, n = self.loop.info, len(self.tokens)
         if not self.turns:
@@ -216,7 +212,7 @@ class ChatEpisode:
             routes=routes, captured=captured, reward=float(sum(self.rewards)), turn_rewards=tuple(self.rewards),
             turns=tuple(self.turns), weight_version=versions[0], weight_version_changed=len(set(versions)) > 1,
             finish_reason=self.finish_reason, group=self.group, sample=self.sample, env_seed=self.env_seed,
-            moe_layer_ids=tuple(info["moe_layer_ids"]), route_versions=self._route_versions(n))
+            moe_layer_ids=tuple(info["moe_layer_ids"]), route_versions=self.trace.row_versions(n))  # all -1 without routes
 
 
 async def drive_chat(episodes: Sequence[ChatEpisode], client: Any, max_concurrency: int) -> None:

@@ -97,7 +97,7 @@ class Episode:
         routes = np.asarray(routes)
         base = RoutedExpertTrace(self.trace.moe_layer_ids) if self.loop.full_regather else self.trace
         self.trace = base.record(prompt_len=p, generated_len=g, routes=routes,
-                                 versions=getattr(out, "weight_versions", None) or getattr(out, "weight_version", None))
+                                 versions=getattr(out, "weight_versions", ()) or out.weight_version)
         return int(routes.shape[0]), int(routes.nbytes)
 
     def consume(self, out: Any) -> None:
@@ -159,10 +159,6 @@ class Episode:
         self.turns.append(TurnStats(**stats, observation_tokens=appended, finish_reason=str(out.finish_reason),
                                     reward=float(reward), synthetic_eos=synthetic))
 
-    def _route_versions(self, n: int) -> np.ndarray:
-        """``[n]`` int32: the version that produced each captured route row (-1 where none is captured)."""
-        return self.trace.row_versions(n) if self.with_routes else np.full(n, -1, np.int32)
-
     def result(self) -> Trajectory:
         info, n, p0 = self.loop.info, len(self.tokens), self.prompt_len
         loss = np.asarray(self.loss, np.float32)
@@ -181,4 +177,4 @@ class Episode:
             turn_rewards=tuple(self.rewards), turns=tuple(self.turns), weight_version=versions[0],
             weight_version_changed=len(set(versions)) > 1, finish_reason=self.finish_reason,
             group=self.group, sample=self.sample, env_seed=self.env_seed,
-            moe_layer_ids=tuple(info["moe_layer_ids"]), route_versions=self._route_versions(n))
+            moe_layer_ids=tuple(info["moe_layer_ids"]), route_versions=self.trace.row_versions(n))  # all -1 without routes

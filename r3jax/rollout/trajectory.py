@@ -12,6 +12,8 @@ import dataclasses
 
 import numpy as np
 
+from r3jax.trace import token_versions
+
 
 @dataclasses.dataclass(frozen=True)
 class TurnStats:
@@ -143,10 +145,7 @@ class Trajectory:
         out = np.full(self.num_tokens, -1, np.int32)
         for t in self.turns:
             spans = t.weight_versions or ((0, t.weight_version),)
-            lo = t.prompt_tokens
-            for j, (first, version) in enumerate(spans):
-                last = spans[j + 1][0] if j + 1 < len(spans) else t.generated_tokens
-                out[lo + first:lo + last] = version
+            out[t.prompt_tokens:t.prompt_tokens + t.generated_tokens] = token_versions(spans, t.generated_tokens)
         out[self.loss_mask == 0] = -1
         return out
 
