@@ -171,15 +171,11 @@ def read_version_spans(value: Any, g: int, where: str) -> tuple:
                 and span["start"] == end < span["end"] <= g):
             ok = False
             break
-        version = span.get("version")
-        if version == "default":
-            version = common.UNKNOWN_VERSION
-        elif isinstance(version, str) and version.strip().lstrip("-").isdigit():
-            version = int(version)
-        if not is_int(version):
+        version = _version_value(span.get("version"))
+        if version is None:
             ok = False
             break
-        out.append((int(span["start"]), int(version)))
+        out.append((int(span["start"]), version))
         end = int(span["end"])
     if not ok or (value and end != g):
         raise ProtocolError(f"{where}: meta_info.weight_versions={str(value)[:80]}: expected [{{'version', 'start', "
@@ -210,15 +206,22 @@ def generate_body(request: GenerateRequest) -> dict:
                                                            len(request.prompt_ids))}
 
 
+def _version_value(value: Any) -> int | None:
+    """An SGLang weight version (a string there, or an int) as an int; "default" (no update yet, or a
+    server started without ``--weight-version``) is ``UNKNOWN_VERSION``; anything else None."""
+    if is_int(value) or (isinstance(value, str) and value.strip().lstrip("-").isdigit()):
+        return int(value)
+    return common.UNKNOWN_VERSION if value == "default" else None
+
+
 def _version(meta: Mapping, where: str) -> int:
     """SGLang's ``meta_info.weight_version`` (a string there) as an int. ``"default"`` (no update yet,
     or a server started without ``--weight-version``) is ``UNKNOWN_VERSION``; a missing or other
     non-integer value is a broken answer."""
     value = meta.get("weight_version", None)
-    if is_int(value) or (isinstance(value, str) and value.strip().lstrip("-").isdigit()):
-        return int(value)
-    if value == "default":
-        return common.UNKNOWN_VERSION
+    version = _version_value(value)
+    if version is not None:
+        return version
     state = "missing" if "weight_version" not in meta else f"{value!r}"
     raise ProtocolError(f"{where}: meta_info.weight_version is {state}: expected an integer version or "
                         "'default' (start SGLang with --weight-version 0 to have versions)", "weight_version")
