@@ -169,22 +169,27 @@ def _pusher(args, out: Path):
     import httpx
     import jax
 
-    from r3jax.train import push_to_server
+    from r3jax.train.weight_sync import export_params, post_weights
 
     if not args.push or jax.process_index() != 0:
         return None
 
     def push(state, first: bool = False) -> int:
         version = int(jax.device_get(state.step)) + 1
-        for url in args.push:
-            if first:
+        urls = list(args.push)
+        if first:
+            urls = []
+            for url in args.push:
                 held = int(httpx.get(url.rstrip("/") + "/v1/model", timeout=60).json()["weight_version"])
                 if held > version:
                     raise ValueError(f"--push {url}: the server holds weight version {held}, ahead of this run's "
                                      f"{version} (weights pushed after the last checkpoint); restart that server")
-                if held == version:
-                    continue
-            push_to_server(url, out / "weights", state, mode="keep", version=version)
+                if held < version:
+                    urls.append(url)
+        if urls:
+            path = export_params(out / "weights", state)  # once for every server
+            for url in urls:
+                post_weights(url, path, mode="keep", version=version)
         return version
 
     return push

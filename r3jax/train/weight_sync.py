@@ -43,7 +43,14 @@ def push_to_server(url: str, path, model_or_state: Any, *, api_key: str | None =
     Raises ``httpx.HTTPStatusError`` for a non-2xx answer and ValueError for a body without an int
     ``weight_version``. ``client`` lets tests inject a transport.
     """
-    path = export_params(path, model_or_state)
+    return post_weights(url, export_params(path, model_or_state), api_key=api_key, timeout=timeout, client=client,
+                        mode=mode, version=version)
+
+
+def post_weights(url: str, path, *, api_key: str | None = None, timeout: float = 120.0,
+                 client: httpx.Client | None = None, mode: str | None = None, version: int | None = None) -> int:
+    """``POST {url}/v1/weights`` of params already exported to ``path`` (:func:`export_params`: one export
+    serves several servers); the server's new ``weight_version``. Errors as :func:`push_to_server`."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     body = {"path": str(path), "format": "orbax", **({} if version is None else {"weight_version": int(version)})}
     own = client is None
