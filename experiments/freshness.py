@@ -1,6 +1,7 @@
 """Whether a result file still measures the code as it is.
 
-    python -m experiments.freshness            # which published results the code has moved past
+    python -m experiments.freshness              # which published results the code has moved past
+    python -m experiments.freshness --commands   # the command lines that re-run them
 
 A result records the commit it ran on. The code it measures is its experiment module and every
 module of this repository that module imports, directly or through others (``measured_files``:
@@ -165,18 +166,29 @@ def stale(record: dict, module: str, root: Path = REPO) -> list[str]:
     return sorted({f for c in commits for f in changed_since(c, files, root)})
 
 
-def main():
+def main(argv=None):
+    import argparse
+
     from experiments import readme_tables
 
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--commands", action="store_true",
+                    help="print a shell command per result to re-run (stale or never published), nothing else")
+    args = ap.parse_args(argv)
     width = max(len(s.name) for s in readme_tables.SECTIONS)
     for s in readme_tables.SECTIONS:
         d = readme_tables.load(s.name)
-        if d is None or not readme_tables.is_clean(d):
-            print(f"{s.name:<{width}}  not published")
+        changed = stale(d, s.module) if d is not None and readme_tables.is_clean(d) else None
+        if args.commands:
+            if changed is None or changed:
+                command = s.command if s.command.startswith("make ") else (d or {}).get("command") or s.command
+                # a grid keeps the runs it holds: a fresh one starts from an empty file
+                aside = f"mv experiments/results/{s.name}.json /tmp/{s.name}.old.json && " if d and "commits" in d else ""
+                print(f"{aside}{command}")
             continue
-        changed = stale(d, s.module)
-        print(f"{s.name:<{width}}  " + (f"stale ({len(changed)} files: {', '.join(changed[:4])}"
-                                         f"{', ...' if len(changed) > 4 else ''})" if changed else "current"))
+        print(f"{s.name:<{width}}  " + ("not published" if changed is None else
+                                        f"stale ({len(changed)} files: {', '.join(changed[:4])}"
+                                        f"{', ...' if len(changed) > 4 else ''})" if changed else "current"))
     sys.stdout.flush()
 
 

@@ -124,3 +124,21 @@ def test_the_pages_know_which_results_are_stale():
         f"quoted but stale now: {sorted(set(now) - set(recorded))} (re-run them on a clean commit, or run "
         f"python -m experiments.readme_tables --write to stop quoting them); current again: "
         f"{sorted(set(recorded) - set(now))} (run python -m experiments.readme_tables --write)")
+
+
+def test_commands_re_run_every_result_not_current(capsys, monkeypatch):
+    """--commands prints one line per result that is stale or never published, and none for the others;
+    a grid's line first moves its stored file aside (its runs would be kept)."""
+    stale = {s.name for s in readme_tables.SECTIONS if s.name in ("bench_trace", "replay_learn")}
+    monkeypatch.setattr(freshness, "stale", lambda d, module, root=freshness.REPO:
+                        ["x.py"] if any(module == s.module for s in readme_tables.SECTIONS if s.name in stale) else [])
+    monkeypatch.setattr(readme_tables, "load", lambda name: {"commit": "abc1234", "dirty": False,
+                                                             **({"commits": ["abc1234"]} if name == "replay_learn" else {}),
+                                                             **({"command": "python -m experiments.bench_trace --x"}
+                                                                if name == "bench_trace" else {})}
+                        if name != "bench_multiprocess" else None)
+    freshness.main(["--commands"])
+    assert capsys.readouterr().out.splitlines() == [
+        "mv experiments/results/replay_learn.json /tmp/replay_learn.old.json && python -m experiments.replay_learn",
+        "python -m experiments.bench_trace --x",
+        "python -m experiments.bench_multiprocess"]
