@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv lock clean bench skyrl-client scale-plan decode-bytes
+.PHONY: demo test venv lock clean bench refresh skyrl-client scale-plan decode-bytes
 
 # The tested dependency versions: requirements.lock (pip's pinned format) is installed first, then r3jax
 # itself without resolving anything, so a fresh clone gets exactly what CI tested. `make lock` rewrites it
@@ -79,6 +79,15 @@ scale-plan: $(TPU_STAMP)
 # Bytes the engine's decode step moves per TPU chip ÷ the bytes it must read (experiments/decode_bytes.py)
 decode-bytes: $(TPU_STAMP)
 	$(TPU_VENV)/bin/python -m experiments.decode_bytes $(DECODE_BYTES_ARGS)
+
+# Re-run each published result whose measured code changed since its commit, or that was never published,
+# with the command it was run with (`python -m experiments.freshness --commands`), then regenerate the
+# pages. Commit first: results from a tree with uncommitted changes are never quoted.
+refresh: $(STAMP)
+	$(VENV)/bin/python -m experiments.freshness --commands > $(VENV)/refresh.sh
+	cat $(VENV)/refresh.sh
+	PATH="$(abspath $(VENV))/bin:$$PATH" bash -e $(VENV)/refresh.sh
+	$(VENV)/bin/python -m experiments.readme_tables --write
 
 clean:
 	rm -rf $(VENV) $(TPU_VENV) runs

@@ -703,9 +703,10 @@ def measurements() -> str:
              "experiments/results/*.json; edit that script, not this file. -->\n\n"
              "Every table here comes from the result file of the command named, and is shown only when that "
              "file records a commit and a clean tree, and the code it measures (the experiment and every module "
-             "of this repository it imports: `python -m experiments.freshness`) is unchanged since that commit. Ratios are always from the same run; absolute times depend "
-             "on the machine and its load (each file records its environment). `make bench` runs "
-             "every experiment; `python -m experiments.readme_tables --write` then regenerates this page.\n\n")
+             "of this repository it imports: `python -m experiments.freshness`) is unchanged since that commit. "
+             "Ratios are always from the same run; absolute times depend on the machine and its load (each file "
+             "records its environment). `make bench` runs every experiment, `make refresh` only those not current; "
+             "`python -m experiments.readme_tables --write` then regenerates this page.\n\n")
     if todo:
         intro += ("To re-run on a released commit (no figures are quoted for these: not measured yet, or the "
                   "code they measure changed since):\n\n") + "\n".join(todo) + "\n\n"
