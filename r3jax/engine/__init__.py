@@ -7,6 +7,9 @@ every token recorded.
     engine.warmup()                                     # compile every program once
     fut = engine.submit(GenerateRequest(prompt_ids=[1, 2, 3], return_routed_experts=True))
     out = fut.result()                                  # or: [out] = engine.generate([...])
+
+Over several devices, engine cores split the requests (data parallelism):
+``r3jax.engine.group.EngineGroup(model, data=D, max_seq_len=512, max_batch_size=8)`` has the same methods.
 """
 
 from r3jax.engine.engine import Engine
