@@ -31,6 +31,7 @@ import numpy as np
 
 from r3jax.checks import FieldError, check_int
 from r3jax.engine.engine import Engine
+from r3jax.engine.errors import EngineFailedError
 from r3jax.engine.request import GenerateOutput, GenerateRequest
 from r3jax.engine.sharding import make_mesh
 
@@ -159,14 +160,18 @@ class EngineGroup:
 
     def set_weights(self, params_state, abort_in_flight: bool = False, *, mode: str | None = None,
                     version: int | None = None) -> int:
-        """:meth:`Engine.set_weights` on every core at once, each swapping by ``mode`` for its own
-        requests; all take the same version (``version``, or one above the highest core's). Returns it."""
+        """:meth:`Engine.set_weights` on every core that serves, at once, each swapping by ``mode`` for
+        its own requests; all take the same version (``version``, or one above the highest core's).
+        Returns it. A failed core is left as it is (it serves nothing)."""
         if version is None:
             version = self.weight_version + 1
         check_int("version", version, self.weight_version + 1)
-        with concurrent.futures.ThreadPoolExecutor(len(self.cores)) as pool:
+        live = [core for core in self.cores if core.failure is None]
+        if not live:
+            raise EngineFailedError(self.failure)
+        with concurrent.futures.ThreadPoolExecutor(len(live)) as pool:
             futures = [pool.submit(core.set_weights, params_state, abort_in_flight, mode=mode, version=version)
-                       for core in self.cores]
+                       for core in live]
             versions = [f.result() for f in futures]
         return versions[0]
 

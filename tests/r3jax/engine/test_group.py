@@ -153,3 +153,31 @@ def test_stats_add_the_cores_up(group):
     for key in ("requests", "generated_tokens", "prefill_tokens", "compiled_programs"):
         assert s[key] == sum(c[key] for c in s["cores"])
     assert s["requests"] == sum(s["routed"]) > 0
+
+
+def test_a_failed_core_keeps_its_weights_and_the_others_update(group, tiny_model):
+    core = group.cores[1]
+    core._sched.failure = "a stand-in failure"
+    try:
+        version = group.set_weights(nnx.state(tiny_model, nnx.Param), mode="keep")
+        assert group.cores[0].weight_version == version > core.weight_version
+        core._sched.failure = "again"
+        group.cores[0]._sched.failure = "and again"
+        with pytest.raises(Exception, match="core 0: and again; core 1: again"):
+            group.set_weights(nnx.state(tiny_model, nnx.Param))
+    finally:
+        group.cores[0]._sched.failure = core._sched.failure = None
+
+
+def test_cores_of_two_devices_each(engine, tiny_model):
+    """data 2 x tensor 2: each core splits its heads and MLP over its own 2 devices."""
+    kw = {**ENGINE_KW, "prefill_rows": 1, "prefix_cache_bytes": 0}  # fewer programs to compile
+    g = EngineGroup(tiny_model, data=2, tensor=2, **kw)
+    try:
+        assert [len(core.placement.mesh.devices.flat) for core in g.cores] == [2, 2]
+        assert not set(g.cores[0].placement.mesh.devices.flat) & set(g.cores[1].placement.mesh.devices.flat)
+        reqs = _requests(6, 6, temperature=0.0)
+        for a, b in zip(engine.generate(reqs), g.generate(reqs)):
+            _same(a, b)
+    finally:
+        g.close()
