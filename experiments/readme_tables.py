@@ -487,12 +487,11 @@ SECTIONS = [
             "Tunix's: fraction of rows whose continuation equals ours token for token; a speed ratio is shown "
             "only where it is 1. Our models run with unrolled layers on CPU; the engine decodes 8 steps per "
             "device call (`decode_steps`). Against the goals (≥ 1.5× HF at B = 8 and 32, ≥ 2× Tunix at B = 8) "
-            "on this CPU, in this run: tiny reaches the HF goal at B ≤ 8 only; the peer config is 1.18× HF at "
-            "B = 8, below HF from B = 32, and 0.69–0.98× Tunix; small_100m is 1.14× HF at B = 8 and below it "
-            "from B = 32. HF's own tokens/s moves by up to 1.7× between runs on this loaded 2-core machine "
+            "on this CPU, in this run: tiny reaches the HF goal at B ≤ 8 only (3.3× at B = 8, 0.79× at B = 32); "
+            "the peer config is 1.12× HF at B = 8, below HF from B = 32, and 0.66–1.16× Tunix (0.96× at B = 8); "
+            "small_100m is 1.13× HF at B = 8 and below it from B = 32. HF's own tokens/s moves by up to 1.7× between runs on this loaded 2-core machine "
             "(`--quick`: one HF repeat). "
-            "[Where a decode step's time goes](#where-a-decode-steps-time-goes) breaks a step down (measured "
-            "before the decode loop).", bench_decode),
+            "[Where a decode step's time goes](#where-a-decode-steps-time-goes) breaks a call down.", bench_decode),
     Section("serve_start", "Server start, cold and on restart", "python -m experiments.serve_start",
             "`python -m r3jax serve --model tiny --port 0 --compilation-cache DIR` launched as a user would, "
             "timed from launch to the first `/health` 200 (`wall_s`; every program compiled or loaded): cold on "
@@ -513,8 +512,9 @@ SECTIONS = [
             "requests at once); in-process latency and compilation counts. `ms_per_call`: wall ÷ device calls "
             "that decode (a call runs a decode loop of up to 8 steps, or one mixed step); `mean_live_slots`: tokens "
             "decoded per such call (rows × steps). In this run the mixed agents' goal is missed: they (8 turns "
-            "each, mostly 8 tokens a turn) finish after the long sessions (3 turns of 96 tokens); the long "
-            "sessions take 1.9× as long in the mix as alone, within their goal (≤ 2).",
+            "each, mostly 8 tokens a turn) finish after the long sessions (3 turns of 96 tokens: mixed ÷ long "
+            "1.31, goal ≤ 0.5), and the long sessions take 2.5× as long in the mix as alone, past their goal "
+            "(≤ 2).",
             bench_engine),
     Section("bench_paged", "The paged engine (beside the fixed-slot engine it replaced)", "python -m experiments.bench_paged",
             "Tiny model in process, max_seq_len 512, 8 requests at once, seeded request streams: programs and "
@@ -525,23 +525,22 @@ SECTIONS = [
             "samples sharing its prefill. `--quick` runs on a loaded 2-core machine: read the ratios, not the "
             "seconds. In this run the warm-up (cold and restart), 8 samples of one prompt feeding it about once, "
             "a short request not waiting for a long prefill and the mix's short ÷ long (just under 0.5) hold "
-            "their goals; the long requests take 2.6× as long in the mix as alone, past theirs (≤ 2). After a "
+            "their goals; the long requests take 2.1× as long in the mix as alone, just past theirs (≤ 2). After a "
             "step with prefill rows the decode rows run a decode loop of 8 tokens while waiting prompts wait "
             "that one call; when every step carried the waiting prompts, decoding ran one token per call and "
             "the mix missed both goals, and cutting that loop to 2 steps while prompts waited made the mix "
             "worse too.",
             bench_paged),
     Section("bench_step", "Where a decode step's time goes", "python -m experiments.bench_step",
-            "The paged engine's own counters over one warm `generate` of B requests (per step, ms): host planning, "
-            "handing the step to the device, waiting for its outputs, taking them in; and the decode step program "
-            "timed alone (`device_ms`). small_100m twice: its preset's scanned layers and the same model with "
-            "`scan_layers=False`. For tiny the host's work per step (mostly handing the step over: placing its "
-            "inputs and calling the program) is as long as the device step or longer, so one token per request "
-            "per step caps tiny's decode rate on this CPU; for small_100m the device step is nearly all of it, "
-            "and the scanned layout costs about 2.5× the unrolled one there. For small_100m a step in the loop "
-            "(`wall_ms`) takes 2–4× the program timed alone, which this run does not explain (the two ran at "
-            "different moments of a loaded machine; the engine's own timers put it all in waiting for the "
-            "device).",
+            "The paged engine's own counters over one warm `generate` of B requests, per device call (`steps`: "
+            "calls; a call is a decode loop of up to 8 decode steps, or one mixed step), in ms: host planning, "
+            "handing the call to the device, waiting for its outputs, taking them in; and one decode step's "
+            "program timed alone (`device_ms`), so a call of the loop takes up to 8 × `device_ms` "
+            "(`host_over_device` divides the host's work per call by one step). small_100m twice: its "
+            "preset's scanned layers and the same model with `scan_layers=False`. In this run the host's "
+            "work per call is 0.6–1.0 ms for tiny against calls of about 4.7 ms, and at most 2.8 ms against "
+            "115–273 ms for small_100m, whose scanned layout costs 1.8–2.1× the unrolled one per step "
+            "(`device_ms`).",
             bench_step),
     Section("bench_weight_sync", "Weight sync", "python -m experiments.bench_weight_sync",
             "Seconds per GB of weights from the trainer to the engine: in process (`push_to_engine`, device to "
