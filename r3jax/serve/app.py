@@ -180,11 +180,18 @@ def model_info(engine) -> dict:
 
 
 def mesh_info(engine) -> dict:
-    """The engine's device mesh: ``{"data", "tensor", "expert", "devices", "expert_parallel"}`` (sizes all
-    1 on one device); empty for an engine without a placement (a stand-in). ``expert_parallel``: how
-    the MoE layers split (``tokens_over``, ``experts_over``, ``hidden_over`` mesh axes) in a step whose
-    token count is a multiple of ``tokens_multiple`` (other steps leave the layer to XLA's partitioner),
-    or None (one device)."""
+    """The engine's device mesh: ``{"data", "tensor", "expert", "devices", "engine_cores",
+    "expert_parallel"}`` (sizes all 1 on one device); empty for an engine without a placement (a
+    stand-in). An :class:`r3jax.engine.group.EngineGroup` reports its cores along ``data`` (each core's
+    own mesh is ``(1, tensor, expert)``). ``expert_parallel``: how a core's MoE layers split
+    (``tokens_over``, ``experts_over``, ``hidden_over`` mesh axes) in a step whose token count is a
+    multiple of ``tokens_multiple`` (other steps leave the layer to XLA's partitioner), or None (one
+    device per core)."""
+    cores = getattr(engine, "cores", None)
+    if cores:
+        one = mesh_info(cores[0])
+        return {**one, "data": len(cores) * one["data"], "devices": len(cores) * one["devices"],
+                "engine_cores": len(cores)}
     placement = getattr(engine, "placement", None)
     if placement is None:
         return {}
@@ -202,7 +209,7 @@ def mesh_info(engine) -> dict:
         if p is not None:
             ep = {"tokens_over": list(p.batch), "experts_over": list(p.expert), "hidden_over": list(p.hidden),
                   "tokens_multiple": devices}
-    return {**sizes, "devices": devices, "expert_parallel": ep}
+    return {**sizes, "devices": devices, "engine_cores": 1, "expert_parallel": ep}
 
 
 def _jsonable(obj: Any) -> Any:

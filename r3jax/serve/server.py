@@ -18,17 +18,20 @@ own serialized programs in ``DIR/r3jax-programs`` (:mod:`r3jax.engine.program_ca
 loads them without tracing, lowering or compiling. ``--static`` serves the
 old way (a batch is admitted only when every slot is free, and decodes to completion), for comparisons.
 
-**Devices.** The engine runs on one ``(data, tensor, expert)`` mesh (:mod:`r3jax.engine.sharding`:
-attention heads, dense MLP and each expert's hidden dim along ``tensor``, experts along ``expert``,
-parameters replicated over ``data``). Give it as ``--mesh DATA,TENSOR,EXPERT``, or with vLLM's flags:
+**Devices.** The devices form a ``(data, tensor, expert)`` mesh: ``data`` engine cores
+(:class:`r3jax.engine.group.EngineGroup`: each core an engine on its own ``tensor x expert`` devices,
+with its own weights, page pool and scheduler; a request lives on one core, so tokens/s adds up over
+``data``), each core's attention heads, dense MLP and each expert's hidden dim along ``tensor`` and
+experts along ``expert`` (:mod:`r3jax.engine.sharding`). Give it as ``--mesh DATA,TENSOR,EXPERT``, or with vLLM's flags:
 ``--tensor-parallel-size T --data-parallel-size D`` is the mesh ``(D, T, 1)``; adding
 ``--enable-expert-parallel`` spreads the expert weights over all ``D x T`` devices as vLLM's expert
 parallelism does (its EP size is ``D x T``): the mesh becomes ``(1, T, D)``, experts split over the
 ``D`` groups and each expert's hidden dim over the ``T`` devices of a group, attention still over ``T``
-(the engine keeps no per-replica state on ``data``, so those devices lose nothing by turning into the
-expert axis). The sizes must multiply to at most the local device count (the first ones are used).
-Default: every local device along ``data`` on an accelerator, one device on CPU. ``/v1/stats``
-reports the mesh (``"mesh": {"data", "tensor", "expert", "devices"}``).
+(one core whose experts spread over every device, instead of D cores each holding every expert). The
+sizes must multiply to at most the local device count (the first ones are used). Default: every
+local device along ``data`` on an accelerator (one core per device), one device on CPU. ``/v1/stats``
+reports the mesh (``"mesh": {"data", "tensor", "expert", "devices", "engine_cores",
+"expert_parallel"}``) and, with several cores, each core's counters (``engine.cores``).
 
 SIGTERM / SIGINT: uvicorn stops accepting connections, lets in-flight requests finish (up to
 ``--graceful-timeout`` seconds), then the app refuses anything still queued with 503 (clients retry
@@ -91,7 +94,7 @@ def parse_args(argv: list[str], devices=None) -> argparse.Namespace:
     par.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
                      help="devices along tensor (attention heads, MLP and expert hidden dims)")
     par.add_argument("--data-parallel-size", "-dp", type=int, default=None,
-                     help="devices along data (parameters replicated)")
+                     help="engine cores, each on its own TP devices (requests split over them)")
     par.add_argument("--enable-expert-parallel", action="store_true",
                      help="split the experts over the data-parallel devices: mesh (1, TP, DP)")
     par.add_argument("--mesh", default=None, metavar="DATA,TENSOR,EXPERT",
@@ -184,23 +187,32 @@ def mesh_shape(args: argparse.Namespace, num_devices: int, platform: str) -> tup
     return shape
 
 
-def build_engine(args: argparse.Namespace):
+def build_engine(args: argparse.Namespace, devices=None):
+    """The server's engine: an :class:`r3jax.engine.Engine` on the ``(1, tensor, expert)`` mesh of the
+    flags, or with ``data`` > 1 an :class:`r3jax.engine.group.EngineGroup` of ``data`` such engines
+    (``--max-batch-size`` and ``--num-pages`` are per core)."""
+    import jax
     import jax.numpy as jnp
 
     from r3jax.engine import Engine
+    from r3jax.engine.group import EngineGroup
     from r3jax.serve.weights import build_model
 
     dtype = None if args.dtype is None else getattr(jnp, args.dtype)
     model = build_model(args.model, config=args.config, seed=args.seed, dtype=dtype)
-    return Engine(model, max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
-                  prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)), block_size=args.block_size,
-                  prefill_chunk=args.prefill_chunk, max_num_batched_tokens=args.max_num_batched_tokens,
-                  num_pages=args.num_pages, decode_buckets=args.decode_buckets, decode_steps=args.decode_steps,
-                  mixed_decode_buckets=args.mixed_decode_buckets,
-                  mesh=build_mesh(args.mesh_shape), static=args.static, logits_dot_in_fp32=args.logits_dot_in_fp32,
-                  router_noise=args.router_noise,
-                  program_cache=None if args.compilation_cache is None else os.path.join(args.compilation_cache,
-                                                                                           "r3jax-programs"))
+    kw = dict(max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
+              prefix_cache_bytes=int(args.prefix_cache_mb * (1 << 20)), block_size=args.block_size,
+              prefill_chunk=args.prefill_chunk, max_num_batched_tokens=args.max_num_batched_tokens,
+              num_pages=args.num_pages, decode_buckets=args.decode_buckets, decode_steps=args.decode_steps,
+              mixed_decode_buckets=args.mixed_decode_buckets, static=args.static,
+              logits_dot_in_fp32=args.logits_dot_in_fp32, router_noise=args.router_noise,
+              program_cache=None if args.compilation_cache is None else os.path.join(args.compilation_cache,
+                                                                                       "r3jax-programs"))
+    data, tensor, expert = args.mesh_shape
+    if data > 1:
+        devices = list(jax.local_devices() if devices is None else devices)
+        return EngineGroup(model, data=data, tensor=tensor, expert=expert, devices=devices, seed=args.seed, **kw)
+    return Engine(model, mesh=build_mesh(args.mesh_shape, devices), **kw)
 
 
 def build_mesh(shape: tuple[int, int, int], devices=None):

@@ -72,10 +72,10 @@ def test_mesh_server_answers_like_one_device(servers, binary):
 def test_stats_report_the_mesh(servers):
     one_url, mesh_url, engine = servers
     assert httpx.get(one_url + "/v1/stats", timeout=30).json()["mesh"] == \
-        {"data": 1, "tensor": 1, "expert": 1, "devices": 1, "expert_parallel": None}
+        {"data": 1, "tensor": 1, "expert": 1, "devices": 1, "engine_cores": 1, "expert_parallel": None}
     # tensor > 1 too: experts over expert, each one's hidden dim over tensor, tokens over every axis
     assert httpx.get(mesh_url + "/v1/stats", timeout=30).json()["mesh"] == \
-        {"data": 1, "tensor": 2, "expert": 4, "devices": 8, "expert_parallel": {
+        {"data": 1, "tensor": 2, "expert": 4, "devices": 8, "engine_cores": 1, "expert_parallel": {
             "tokens_over": ["data", "tensor", "expert"], "experts_over": ["expert"], "hidden_over": ["tensor"],
             "tokens_multiple": 8}}
     # really split: an expert weight's shards hold 2 of the 8 experts and half of each hidden dim
@@ -167,3 +167,60 @@ def test_mesh_shape_raises_value_errors():
         mesh_shape(args, 2, "gpu")
     args.mesh = None
     assert mesh_shape(args, 4, "gpu") == (4, 1, 1)  # accelerator default: every device along data
+
+
+@pytest.fixture(scope="module")
+def cores_url(serve_helpers):
+    """A server of two engine cores (``-dp 2``: one simulated device each) and the group."""
+    from r3jax.engine.group import EngineGroup
+
+    group = EngineGroup(MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0)), data=2, **ENGINE_KW)
+    try:
+        with serve_helpers.thread_server(create_app(group)) as s:
+            yield s.url, group
+    finally:
+        group.close()
+
+
+def test_engine_cores_serve_like_one_device(servers, cores_url, tmp_path):
+    """``-dp 2``: two engine cores behind one server answer like one device, report themselves in
+    ``/v1/stats`` and take a weight push together."""
+    from r3jax.train import export_params
+
+    one_url, _, _ = servers
+    url, group = cores_url
+    reqs = requests()
+    with RemoteInferenceClient(one_url) as a, RemoteInferenceClient(url) as b:
+        for x, y in zip(a.generate(reqs), b.generate(reqs)):
+            assert y.output_ids == x.output_ids
+            np.testing.assert_allclose(y.logprobs, x.logprobs, rtol=0, atol=1e-5)
+            if x.routed_experts is not None:
+                np.testing.assert_array_equal(y.routed_experts, x.routed_experts)
+        stats = httpx.get(url + "/v1/stats", timeout=30).json()
+        assert stats["mesh"] == {"data": 2, "tensor": 1, "expert": 1, "devices": 2, "engine_cores": 2,
+                                 "expert_parallel": None}
+        assert [c["requests"] > 0 for c in stats["engine"]["cores"]] == [True, True]
+        flipped = jax.tree.map(lambda x: -np.asarray(x), nnx.state(MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0)),
+                                                                     nnx.Param))
+        v = group.weight_version
+        assert b.update_weights(str(export_params(tmp_path / "w", flipped)), "orbax") == [v + 1]
+        assert [core.weight_version for core in group.cores] == [v + 1, v + 1]
+
+
+def test_data_parallel_flags_build_engine_cores():
+    from r3jax.engine.group import EngineGroup
+    from r3jax.serve.app import mesh_info
+    from r3jax.serve.server import build_engine
+
+    args = parse_args(["--data-parallel-size", "2", "--tensor-parallel-size", "2", "--max-seq-len", "64",
+                       "--max-batch-size", "4"], devices=jax.devices())
+    assert args.mesh_shape == (2, 2, 1)
+    eng = build_engine(args)  # built, not warmed up: nothing compiles
+    try:
+        assert isinstance(eng, EngineGroup) and [c.placement.describe() for c in eng.cores] == \
+            [{"devices": 2, "data": 1, "tensor": 2, "expert": 1}] * 2
+        info = mesh_info(eng)
+        assert {k: info[k] for k in ("data", "tensor", "expert", "devices", "engine_cores")} == \
+            {"data": 2, "tensor": 2, "expert": 1, "devices": 4, "engine_cores": 2}
+    finally:
+        eng.close()
