@@ -99,3 +99,43 @@ def test_filter_without_a_full_sort_equals_the_sorted_definition(spread):
         got = np.asarray(jax.jit(lambda *a: filter_logits(*a, candidates=32))(scaled, top_k, top_p, rows))
         np.testing.assert_array_equal(np.isinf(got[rows]), np.isinf(want[rows]))
         np.testing.assert_array_equal(got[rows][~np.isinf(got[rows])], want[rows][~np.isinf(want[rows])])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_an_all_greedy_step_draws_nothing_and_answers_as_the_sampling_path(dtype):
+    """With no row sampling, the sampler skips the draw; its tokens and logprobs (raw and processed
+    rows) equal the sampling path's bit for bit, and a batch with one hot row takes that path."""
+    from r3jax.engine.sampling import _sample_hot, sample_with_logprobs
+
+    rng = np.random.default_rng(0)
+    n = 16
+    logits = jnp.asarray(rng.normal(size=(n, 50)) * 3, dtype)
+    key_data = np.stack([seed_words(s) for s in range(n)])
+    index, top_k, top_p = np.arange(n, dtype=np.int32), np.full(n, 5, np.int32), np.full(n, 0.9, np.float32)
+    processed = np.arange(n) % 2 == 0
+    both = jax.jit(sample_with_logprobs), jax.jit(_sample_hot)
+    for temperature in (np.zeros(n, np.float32), np.where(np.arange(n) == 3, 0.7, 0.0).astype(np.float32)):
+        (t1, l1), (t2, l2) = (f(logits, key_data, index, temperature, top_k, top_p, processed) for f in both)
+        np.testing.assert_array_equal(np.asarray(t1), np.asarray(t2))
+        np.testing.assert_array_equal(np.asarray(l1), np.asarray(l2))
+    greedy = np.asarray(jnp.argmax(logits, -1))
+    assert (np.asarray(t1)[np.arange(n) != 3] == greedy[np.arange(n) != 3]).all()
+    # the draw sits behind a branch: no random op outside a cond
+    jaxpr = jax.make_jaxpr(sample_with_logprobs)(logits, key_data, index, np.zeros(n, np.float32), top_k, top_p,
+                                                 processed)
+    assert not {p for p in _primitives(jaxpr.jaxpr) if "random" in p or "threefry" in p}
+
+
+def _primitives(jaxpr) -> set[str]:
+    """Primitive names of a jaxpr and its sub-jaxprs, except what runs inside a ``cond``."""
+    out = set()
+    for eqn in jaxpr.eqns:
+        out.add(eqn.primitive.name)
+        if eqn.primitive.name == "cond":
+            continue
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out |= _primitives(inner)
+    return out
