@@ -487,9 +487,9 @@ SECTIONS = [
             "Tunix's: fraction of rows whose continuation equals ours token for token; a speed ratio is shown "
             "only where it is 1. Our models run with unrolled layers on CPU; the engine decodes 8 steps per "
             "device call (`decode_steps`). Against the goals (≥ 1.5× HF at B = 8 and 32, ≥ 2× Tunix at B = 8) "
-            "on this CPU, in this run: tiny reaches the HF goal at B ≤ 8 only (3.3× at B = 8, 0.79× at B = 32); "
-            "the peer config is 1.12× HF at B = 8, below HF from B = 32, and 0.66–1.16× Tunix (0.96× at B = 8); "
-            "small_100m is 1.13× HF at B = 8 and below it from B = 32. HF's own tokens/s moves by up to 1.7× between runs on this loaded 2-core machine "
+            "on this CPU, in this run: tiny reaches the HF goal at B ≤ 8 only (2.2× at B = 8, 1.16× at B = 32); "
+            "the peer config is 1.32× HF at B = 8, below HF from B = 32, and 0.79–1.30× Tunix (0.88× at B = 8); "
+            "small_100m is 1.27× HF at B = 8 and below it from B = 32. HF's own tokens/s moves by up to 1.7× between runs on this loaded 2-core machine "
             "(`--quick`: one HF repeat). "
             "[Where a decode step's time goes](#where-a-decode-steps-time-goes) breaks a call down.", bench_decode),
     Section("serve_start", "Server start, cold and on restart", "python -m experiments.serve_start",
@@ -523,9 +523,9 @@ SECTIONS = [
             "short ÷ mean long completion (goal ≤ 0.5) and long requests in the mix ÷ alone (goal ≤ 2); a fresh "
             "process's warm-up cold and on the persistent compilation cache (goals 30 s and 5 s); one prompt's "
             "samples sharing its prefill. `--quick` runs on a loaded 2-core machine: read the ratios, not the "
-            "seconds. In this run the warm-up (cold and restart), 8 samples of one prompt feeding it about once, "
-            "a short request not waiting for a long prefill and the mix's short ÷ long (just under 0.5) hold "
-            "their goals; the long requests take 2.1× as long in the mix as alone, just past theirs (≤ 2). After a "
+            "seconds. In this run the warm-up (cold and restart), 8 samples of one prompt feeding it about once "
+            "and a short request not waiting for a long prefill hold their goals; the mix misses both of its "
+            "own: short ÷ long 0.52 (goal ≤ 0.5), long requests in the mix ÷ alone 2.4 (goal ≤ 2). After a "
             "step with prefill rows the decode rows run a decode loop of 8 tokens while waiting prompts wait "
             "that one call; when every step carried the waiting prompts, decoding ran one token per call and "
             "the mix missed both goals, and cutting that loop to 2 steps while prompts waited made the mix "
@@ -538,8 +538,8 @@ SECTIONS = [
             "program timed alone (`device_ms`), so a call of the loop takes up to 8 × `device_ms` "
             "(`host_over_device` divides the host's work per call by one step). small_100m twice: its "
             "preset's scanned layers and the same model with `scan_layers=False`. In this run the host's "
-            "work per call is 0.6–1.0 ms for tiny against calls of about 4.7 ms, and at most 2.8 ms against "
-            "115–273 ms for small_100m, whose scanned layout costs 1.8–2.1× the unrolled one per step "
+            "work per call is 0.9–1.7 ms for tiny against calls of 4.1–5.4 ms, and at most 2.8 ms against "
+            "103–526 ms for small_100m, whose scanned layout costs 2.0–3.5× the unrolled one per step "
             "(`device_ms`).",
             bench_step),
     Section("bench_weight_sync", "Weight sync", "python -m experiments.bench_weight_sync",
