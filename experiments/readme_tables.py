@@ -513,8 +513,8 @@ SECTIONS = [
             "that decode (a call runs a decode loop of up to 8 steps, or one mixed step); `mean_live_slots`: tokens "
             "decoded per such call (rows × steps). In this run the mixed agents' goal is missed: they (8 turns "
             "each, mostly 8 tokens a turn) finish after the long sessions (3 turns of 96 tokens: mixed ÷ long "
-            "1.31, goal ≤ 0.5), and the long sessions take 2.5× as long in the mix as alone, past their goal "
-            "(≤ 2).",
+            "1.25, goal ≤ 0.5), and the long sessions take 4.3× as long in the mix as alone, past their goal "
+            "(≤ 2); alone they take 0.19 s, so that ratio moves a lot from run to run.",
             bench_engine),
     Section("bench_paged", "The paged engine (beside the fixed-slot engine it replaced)", "python -m experiments.bench_paged",
             "Tiny model in process, max_seq_len 512, 8 requests at once, seeded request streams: programs and "
