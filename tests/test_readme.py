@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import readme_tables
+from experiments import readme_tables, renderers
 from experiments.common import is_clean
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,7 +130,7 @@ def test_no_result_file_comes_from_a_dirty_tree():
 
 def test_speed_ratios_only_where_the_peer_decoded_the_same_tokens():
     rows = [{"B": 1, "ours_over_hf": 18.0, "hf_same_tokens": 0.0}, {"B": 8, "ours_over_hf": 4.5, "hf_same_tokens": 1}]
-    out = readme_tables._same_tokens_only(rows, "ours_over_hf")
+    out = renderers._same_tokens_only(rows, "ours_over_hf")
     assert [r["ours_over_hf"] for r in out] == ["tokens differ", 4.5]
 
 
