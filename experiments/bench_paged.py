@@ -259,6 +259,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.warmup_child:
         return warmup_child(args.decode_buckets)
+    cache_dir = args.compilation_cache
+    if cache_dir is not None and os.path.isdir(cache_dir) and os.listdir(cache_dir):
+        # its programs would make the "cold" warm-up a restart
+        ap.error(f"--compilation-cache {cache_dir}: expected a missing or empty directory (the cold warm-up "
+                 "must compile everything); give a new one")
 
     cfg = MoeConfig.tiny()
     model = MoeTransformer(cfg, rngs=nnx.Rngs(0))

@@ -28,7 +28,7 @@ from models.weights import split_weights
 from r3jax.checks import FieldError, check_int
 from r3jax.engine import step as dev
 from r3jax.engine.pages import PagePool
-from r3jax.engine.programs import Programs, bucket, round_up
+from r3jax.engine.programs import Programs, bucket, fill, prefill_buckets, round_up
 from r3jax.engine.request import GREEDY_BELOW, GenerateOutput, GenerateRequest
 from r3jax.engine.sampling import seed_words
 from r3jax.engine.sharding import Placement
@@ -65,12 +65,16 @@ class Engine:
       block_size: tokens per page.
       prefill_chunk: tokens per prefill row (a prompt takes ceil(P / prefill_chunk) rows, over one or
         more steps).
-      prefill_rows: most prefill rows per step (default 4); or give ``max_num_batched_tokens`` (tokens
-        per step: ``max_batch_size`` decode rows + ``prefill_rows * prefill_chunk``).
+      prefill_rows: most prefill rows per step (default 16); or give ``max_num_batched_tokens`` (tokens
+        per step: ``max_batch_size`` decode rows + ``prefill_rows * prefill_chunk``). Steps that prefill
+        get programs of 4, 16, ... rows up to ``prefill_rows`` (:func:`r3jax.engine.programs.prefill_buckets`),
+        and a step takes up to 4 rows, more when that many prompts wait (:meth:`prefill_rows_for`): a
+        batch of prompts submitted at once (a GRPO step) is prefilled up to 16 rows a step, while a long
+        prompt or a few are prefilled 4 rows a step beside the requests decoding.
       decode_buckets: how many decode-row sizes get a decode program: B, B/2, B/4, ... (default 3);
         1 pads every decode call to B rows.
       mixed_decode_buckets: how many of those sizes, the largest first, also get the programs of steps
-        that prefill (prefill rows 1 and ``prefill_rows``: 2 programs each). Default 1: a step that
+        that prefill (one per prefill-row bucket: 2 each by default). Default 1: a step that
         prefills pads its decode rows to B: its cost is mostly the prefill's, so padding costs it little
         next to what padding costs the decode loop (``python -m experiments.serve_start`` times every
         layout), and the warm-up compiles 5 programs, not 9.
@@ -116,7 +120,7 @@ class Engine:
         if max_num_batched_tokens is not None:
             _check("max_num_batched_tokens", max_num_batched_tokens, max_batch_size + prefill_chunk)
             prefill_rows = (max_num_batched_tokens - max_batch_size) // prefill_chunk
-        prefill_rows = 4 if prefill_rows is None else prefill_rows
+        prefill_rows = 16 if prefill_rows is None else prefill_rows
         _check("prefill_rows", prefill_rows, 1)
         _check_model_config(model)
         own = isinstance(model, MoeTransformer)
@@ -159,10 +163,10 @@ class Engine:
         self._pages_per_row = round_up(-(-max_seq_len // block_size), block_pages)
         self._block_pages = min(block_pages, self._pages_per_row)
         # program buckets: decode rows B, B/2, B/4, ... (>= 1; decode_buckets of them) with no prefill row, and
-        # the largest mixed_decode_buckets of them x prefill rows 1, prefill_rows
+        # the largest mixed_decode_buckets of them x prefill rows 4, 16, ..., prefill_rows
         self._decode_buckets = sorted({max(1, max_batch_size >> i) for i in range(decode_buckets)})
         self._mixed_buckets = self._decode_buckets[-mixed_decode_buckets:]
-        self._prefill_buckets = sorted({0, 1, prefill_rows})
+        self._prefill_buckets = prefill_buckets(prefill_rows)
         self._head_only = callable(getattr(model, "logits", None))
 
         _, params, rest = nnx.split(model, nnx.Param, ...)
@@ -263,24 +267,7 @@ class Engine:
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
         """Continue every request; outputs come back in request order. Every request is validated
         before any is queued (FieldError naming ``requests[i].field``)."""
-        if isinstance(requests, GenerateRequest) or not isinstance(requests, Sequence):
-            raise FieldError("requests", type(requests).__name__, "a list of GenerateRequest",
-                             f"requests={type(requests).__name__}: expected a list of GenerateRequest")
-        for i, req in enumerate(requests):
-            if not isinstance(req, GenerateRequest):
-                raise FieldError(f"requests[{i}]", type(req).__name__, "a GenerateRequest",
-                                 f"requests[{i}]={type(req).__name__}: expected a GenerateRequest")
-            try:
-                self._validate(req)
-            except FieldError as e:
-                raise e.within(f"requests[{i}]") from None
-        futures = [self.submit(r) for r in requests]
-        try:
-            return [f.result() for f in futures]
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
+        return generate_all(requests, self._validate, self.submit)
 
     def set_weights(self, params_state, abort_in_flight: bool = False, *, mode: str | None = None,
                     version: int | None = None) -> int:
@@ -360,6 +347,14 @@ class Engine:
         """Every step layout this engine can run (one program each)."""
         return [self.layout(d, p) for d in self._decode_buckets for p in self._prefill_buckets
                 if p == 0 or d in self._mixed_buckets]
+
+    def prefill_rows_for(self, ready: int, prompts: int) -> int:
+        """Prefill rows the next step takes when ``ready`` chunks of ``prompts`` prompts wait: up to 4
+        (``prefill_rows`` if fewer), more only when that many prompts wait, as many as
+        :func:`r3jax.engine.programs.fill` gives them. So one long prompt, or a few, is prefilled in
+        steps of 4 rows that keep the requests decoding beside it at their pace; a batch of prompts
+        submitted at once (a GRPO step) in steps of up to ``prefill_rows``."""
+        return min(ready, max(min(4, self.prefill_rows), fill(prompts, self._prefill_buckets)))
 
     def layout(self, decode_rows: int, prefill_rows: int) -> RaggedLayout:
         rows = self._mixed_buckets if prefill_rows > 0 else self._decode_buckets
@@ -473,6 +468,30 @@ class Engine:
         """A fresh pool (after a failed step left a donated buffer unusable); cached prefixes dropped."""
         self._init_state()
         self.pool.reset(self.weight_version)
+
+
+def generate_all(requests: Sequence[GenerateRequest], validate, submit) -> list[GenerateOutput]:
+    """``generate`` of an engine or a group of engines: every request checked by ``validate`` before
+    any is ``submit``-ted, then the outputs in request order; if waiting is interrupted (or one
+    fails), the others are cancelled."""
+    if isinstance(requests, GenerateRequest) or not isinstance(requests, Sequence):
+        raise FieldError("requests", type(requests).__name__, "a list of GenerateRequest",
+                         f"requests={type(requests).__name__}: expected a list of GenerateRequest")
+    for i, req in enumerate(requests):
+        if not isinstance(req, GenerateRequest):
+            raise FieldError(f"requests[{i}]", type(req).__name__, "a GenerateRequest",
+                             f"requests[{i}]={type(req).__name__}: expected a GenerateRequest")
+        try:
+            validate(req)
+        except FieldError as e:
+            raise e.within(f"requests[{i}]") from None
+    futures = [submit(r) for r in requests]
+    try:
+        return [f.result() for f in futures]
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        raise
 
 
 def _check(name, value, lo):

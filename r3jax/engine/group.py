@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from r3jax.checks import FieldError, check_int
-from r3jax.engine.engine import Engine
+from r3jax.engine.engine import Engine, generate_all
 from r3jax.engine.errors import EngineFailedError
 from r3jax.engine.request import GenerateOutput, GenerateRequest
 from r3jax.engine.sharding import make_mesh
@@ -142,21 +142,7 @@ class EngineGroup:
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
         """Continue every request (validated before any is queued); outputs in request order."""
-        if isinstance(requests, GenerateRequest) or not isinstance(requests, Sequence):
-            raise FieldError("requests", type(requests).__name__, "a list of GenerateRequest",
-                             f"requests={type(requests).__name__}: expected a list of GenerateRequest")
-        for i, req in enumerate(requests):
-            try:
-                self.cores[0]._validate(req)
-            except FieldError as e:
-                raise e.within(f"requests[{i}]") from None
-        futures = [self.submit(r) for r in requests]
-        try:
-            return [f.result() for f in futures]
-        except BaseException:
-            for f in futures:
-                f.cancel()
-            raise
+        return generate_all(requests, self.cores[0]._validate, self.submit)
 
     def set_weights(self, params_state, abort_in_flight: bool = False, *, mode: str | None = None,
                     version: int | None = None) -> int:

@@ -217,7 +217,8 @@ class Loop(Admission):
             # prompts decoding still gets decode_steps tokens every other call, and a prompt waits one call
             prefilling = []
         t0 = time.perf_counter()
-        chunks = choose_chunks(prefilling, eng.prefill_rows, eng.prefill_chunk)
+        ready = sum(-(-(len(s.feed) - s.computed) // eng.prefill_chunk) for s in prefilling)
+        chunks = choose_chunks(prefilling, eng.prefill_rows_for(ready, len(prefilling)), eng.prefill_chunk)
         lay = eng.layout(len(decoding), len(chunks))
         steps = eng.steps_of(lay)
         if not self._grow(decoding, steps):

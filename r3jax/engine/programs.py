@@ -29,6 +29,35 @@ def bucket(n: int, sizes: list[int]) -> int:
     return sizes[-1]
 
 
+def prefill_buckets(prefill_rows: int) -> list[int]:
+    """Prefill-row buckets of an engine of at most ``prefill_rows`` rows per step: 0 (the decode loop),
+    the powers of 4 from 4 below ``prefill_rows``, and ``prefill_rows`` itself (16: [0, 4, 16]; 2: [0, 2]).
+    No bucket of one row: next to the decode rows a step carries (B, with the default
+    ``mixed_decode_buckets``) 4 rows cost it little more than 1 (``python -m experiments.serve_start``
+    times both), and each bucket is a program to compile at start."""
+    sizes, b = {0, prefill_rows}, 4
+    while b < prefill_rows:
+        sizes.add(b)
+        b *= 4
+    return sorted(sizes)
+
+
+def fill(n: int, sizes: list[int]) -> int:
+    """Prefill rows a step takes when ``n`` prompt chunks are ready, among ``sizes`` (ascending, from
+    :func:`prefill_buckets`): all of them when their bucket pads at most a third of ``n`` rows (or no
+    smaller bucket exists), else
+    as many as the largest bucket below ``n`` holds (the rest go in a later step); at most the largest
+    bucket. A padded row costs ``prefill_chunk`` tokens of work for nothing, a step more its decode
+    rows and fixed cost: of [0, 4, 16], 8 ready chunks take 4 rows, 12 take all 12 (16 rows)."""
+    if n <= 0:
+        return 0
+    up = bucket(n, sizes)
+    if up < n:
+        return up
+    down = max((s for s in sizes if 0 < s <= n), default=None)
+    return n if down is None or 3 * (up - n) <= n else down
+
+
 # Compiled programs shared by every live engine of an equal configuration (a rebuilt engine, a second
 # engine in one process, a test suite), so none compiles twice. Key: (engine key, program name, bucket);
 # value: [executable, engines holding it]. An entry goes when the last engine holding it is closed: a

@@ -51,7 +51,7 @@ import time
 
 # r3jax.engine.Engine's defaults (not imported here: --help must not start JAX; a test checks they agree)
 ENGINE_DEFAULTS = dict(block_size=16, prefill_chunk=64, decode_steps=8, decode_buckets=3, mixed_decode_buckets=1)
-ENGINE_DEFAULT_PREFILL_ROWS = 4
+ENGINE_DEFAULT_PREFILL_ROWS = 16
 
 
 def parse_args(argv: list[str], devices=None) -> argparse.Namespace:

@@ -85,8 +85,9 @@ def test_no_program_compiles_after_warmup_over_1000_varied_requests(engine):
 
 def test_decode_buckets_and_mixed_decode_buckets_set_the_program_set(tiny_model):
     """Decode programs at B, B/2, B/4 (decode_buckets=3); steps that prefill only at the largest
-    mixed_decode_buckets of them (default 1: B), so 5 programs, or 9 with all three; decode_buckets=1
-    gives 3. A step that prefills pads its decode rows up to a mixed size. 0 is refused by name."""
+    mixed_decode_buckets of them (default 1: B), each with prefill rows 4 and 16, so 5 programs, or 9
+    with all three; decode_buckets=1 gives 3. A step that prefills pads its decode rows up to a mixed
+    size and its prefill rows up to 4 or 16. 0 is refused by name."""
     from r3jax.engine import Engine
     from r3jax.checks import FieldError
 
@@ -95,11 +96,12 @@ def test_decode_buckets_and_mixed_decode_buckets_set_the_program_set(tiny_model)
                          Engine(tiny_model, decode_buckets=1, **kw))
     try:
         rows = lambda e: [(lay.decode_rows, lay.prefill_rows) for lay in e.layouts()]  # noqa: E731
-        assert rows(three) == [(2, 0), (4, 0), (8, 0), (8, 1), (8, 4)]
-        assert rows(every) == [(d, p) for d in (2, 4, 8) for p in (0, 1, 4)]
-        assert rows(one) == [(8, 0), (8, 1), (8, 4)]
+        assert rows(three) == [(2, 0), (4, 0), (8, 0), (8, 4), (8, 16)]
+        assert rows(every) == [(d, p) for d in (2, 4, 8) for p in (0, 4, 16)]
+        assert rows(one) == [(8, 0), (8, 4), (8, 16)]
         assert (three.layout(1, 0).decode_rows, three.layout(1, 1).decode_rows) == (2, 8)
         assert (every.layout(1, 1).decode_rows, every.layout(3, 4).decode_rows) == (2, 4)
+        assert (three.layout(1, 1).prefill_rows, three.layout(1, 5).prefill_rows) == (4, 16)
         assert one.layout(1, 0).decode_rows == 8
     finally:
         three.close(), every.close(), one.close()
