@@ -121,10 +121,12 @@ SECTIONS = [
             "Tunix's: fraction of rows whose continuation equals ours token for token; a speed ratio is shown "
             "only where it is 1. Our models run with unrolled layers on CPU; the engine decodes 8 steps per "
             "device call (`decode_steps`). Against the goals (≥ 1.5× HF at B = 8 and 32, ≥ 2× Tunix at B = 8) "
-            "on this CPU, in this run: tiny reaches the HF goal at B ≤ 8 only (2.2× at B = 8, 1.16× at B = 32); "
-            "the peer config is 1.32× HF at B = 8, below HF from B = 32, and 0.79–1.30× Tunix (0.88× at B = 8); "
-            "small_100m is 1.27× HF at B = 8 and below it from B = 32. HF's own tokens/s moves by up to 1.7× between runs on this loaded 2-core machine "
-            "(`--quick`: one HF repeat). "
+            "on this CPU, in this run: tiny reaches the HF goal at B = 8 and 32 (3.2× and 1.66×; 0.92× at B = 64); "
+            "the peer config is 1.03× HF at B = 8, 0.75× at B = 32, and 0.64–0.77× Tunix (0.77× at B = 8); "
+            "small_100m is 1.45× HF at B = 8 and below it from B = 32. HF's own tokens/s moves by up to 1.7× between runs on this loaded 2-core machine "
+            "(`--quick`: one HF repeat; in this run HF and our engine both ran at about 0.6× the tokens/s of the run "
+            "before, whose host was less loaded). B prompts submitted at once are prefilled up to 16 a step "
+            "(`Engine.prefill_rows_for`). "
             "[Where a decode step's time goes](#where-a-decode-steps-time-goes) breaks a call down.", bench_decode),
     Section("serve_start", "Server start, cold and on restart", "python -m experiments.serve_start",
             "`python -m r3jax serve --model tiny --port 0 --compilation-cache DIR` launched as a user would, "
@@ -147,8 +149,8 @@ SECTIONS = [
             "that decode (a call runs a decode loop of up to 8 steps, or one mixed step); `mean_live_slots`: tokens "
             "decoded per such call (rows × steps). In this run the mixed agents' goal is missed: they (8 turns "
             "each, mostly 8 tokens a turn) finish after the long sessions (3 turns of 96 tokens: mixed ÷ long "
-            "1.25, goal ≤ 0.5), and the long sessions take 4.3× as long in the mix as alone, past their goal "
-            "(≤ 2); alone they take 0.19 s, so that ratio moves a lot from run to run.",
+            "1.12, goal ≤ 0.5), and the long sessions take 5.3× as long in the mix as alone, past their goal "
+            "(≤ 2); alone they take 0.31 s, so that ratio moves a lot from run to run.",
             bench_engine),
     Section("bench_paged", "The paged engine (beside the fixed-slot engine it replaced)", "python -m experiments.bench_paged",
             "Tiny model in process, max_seq_len 512, 8 requests at once, seeded request streams: programs and "
@@ -157,13 +159,13 @@ SECTIONS = [
             "short ÷ mean long completion (goal ≤ 0.5) and long requests in the mix ÷ alone (goal ≤ 2); a fresh "
             "process's warm-up cold and on the persistent compilation cache (goals 30 s and 5 s); one prompt's "
             "samples sharing its prefill. `--quick` runs on a loaded 2-core machine: read the ratios, not the "
-            "seconds. In this run the warm-up (cold and restart), 8 samples of one prompt feeding it about once "
-            "and a short request not waiting for a long prefill hold their goals; the mix misses both of its "
-            "own: short ÷ long 0.52 (goal ≤ 0.5), long requests in the mix ÷ alone 2.4 (goal ≤ 2). After a "
-            "step with prefill rows the decode rows run a decode loop of 8 tokens while waiting prompts wait "
-            "that one call; when every step carried the waiting prompts, decoding ran one token per call and "
-            "the mix missed both goals, and cutting that loop to 2 steps while prompts waited made the mix "
-            "worse too.",
+            "seconds. In this run the warm-up (cold and restart), 8 samples of one prompt feeding it about once, "
+            "a short request not waiting for a long prefill and the mix's short ÷ long (0.46, goal ≤ 0.5) hold "
+            "their goals; long requests take 3.1× as long in the mix as alone (goal ≤ 2). A step takes up to 4 "
+            "prompt chunks beside the decode rows, more only when that many prompts wait. After a step with "
+            "prefill rows the decode rows run a decode loop of 8 tokens while waiting prompts wait that one "
+            "call; when every step carried the waiting prompts, decoding ran one token per call and the mix "
+            "missed both goals, and cutting that loop to 2 steps while prompts waited made the mix worse too.",
             bench_paged),
     Section("bench_step", "Where a decode step's time goes", "python -m experiments.bench_step",
             "The paged engine's own counters over one warm `generate` of B requests, per device call (`steps`: "
@@ -172,9 +174,10 @@ SECTIONS = [
             "program timed alone (`device_ms`), so a call of the loop takes up to 8 × `device_ms` "
             "(`host_over_device` divides the host's work per call by one step). small_100m twice: its "
             "preset's scanned layers and the same model with `scan_layers=False`. In this run the host's "
-            "work per call is 0.9–1.7 ms for tiny against calls of 4.1–5.4 ms, and at most 2.8 ms against "
-            "103–526 ms for small_100m, whose scanned layout costs 2.0–3.5× the unrolled one per step "
-            "(`device_ms`).",
+            "work per call is 3.5–5.3 ms for tiny against calls of 8.5–21 ms, and at most 4.8 ms against "
+            "190–894 ms for small_100m, whose scanned layout costs 2.2–2.7× the unrolled one per step "
+            "(`device_ms`). B prompts submitted at once are prefilled up to 16 a step, so B = 32 and 64 take "
+            "7 and 11 calls.",
             bench_step),
     Section("bench_weight_sync", "Weight sync", "python -m experiments.bench_weight_sync",
             "Seconds per GB of weights from the trainer to the engine: in process (`push_to_engine`, device to "
