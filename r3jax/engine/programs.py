@@ -45,9 +45,8 @@ def prefill_buckets(prefill_rows: int) -> list[int]:
 def fill(n: int, sizes: list[int]) -> int:
     """Prefill rows a step takes when ``n`` prompt chunks are ready, among ``sizes`` (ascending, from
     :func:`prefill_buckets`): all of them when their bucket pads at most a third of ``n`` rows (or no
-    smaller bucket exists), else
-    as many as the largest bucket below ``n`` holds (the rest go in a later step); at most the largest
-    bucket. A padded row costs ``prefill_chunk`` tokens of work for nothing, a step more its decode
+    smaller bucket exists), else as many as the largest bucket below ``n`` holds (the rest go in a
+    later step); at most the largest bucket. A padded row costs ``prefill_chunk`` tokens of work for nothing, a step more its decode
     rows and fixed cost: of [0, 4, 16], 8 ready chunks take 4 rows, 12 take all 12 (16 rows)."""
     if n <= 0:
         return 0

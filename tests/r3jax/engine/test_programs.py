@@ -65,3 +65,15 @@ def test_a_batch_of_prompts_is_prefilled_in_one_step_and_answers_as_in_steps_of_
         assert a.output_ids == b.output_ids
         np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-6)
+
+
+def test_the_default_is_16_rows_and_the_server_says_so(tiny_model):
+    from r3jax.serve.server import ENGINE_DEFAULT_PREFILL_ROWS
+
+    eng = Engine(tiny_model, **{k: v for k, v in ENGINE_KW.items() if k != "prefill_rows"})  # nothing compiled
+    try:
+        assert eng.prefill_rows == ENGINE_DEFAULT_PREFILL_ROWS == 16
+        assert eng.max_num_batched_tokens == ENGINE_KW["max_batch_size"] + 16 * ENGINE_KW["prefill_chunk"]
+        assert [lay.prefill_rows for lay in eng.layouts()] == [0, 4, 16]
+    finally:
+        eng.close()
