@@ -27,8 +27,9 @@ class GenerateRequest:
     """One prompt to continue.
 
     ``temperature`` below :data:`GREEDY_BELOW` (1e-5, vLLM's rule; 0 included) is greedy: a smaller
-    one would overflow the scaled logits; ``top_k=0`` and ``top_p=1`` switch those filters off. ``seed`` makes
-    sampling reproducible per request (same seed, same output, whatever the batch). A sampled stop
+    one would overflow the scaled logits; ``top_k=0`` and ``top_p=1`` switch those filters off. ``seed`` fixes
+    the request's random draws whatever the batch (the logits themselves can differ in their last bits
+    with the shape of the step the token ran in: docs/models.md, "What a seed fixes"). A sampled stop
     token is included in ``output_ids`` and ends the request with finish_reason "stop".
     ``routed_experts_prompt_start`` = s: the route rows returned are those of absolute positions
     ``[s, P + G - 1)``. ``session_id`` is carried for callers (the prefix cache is keyed by tokens).

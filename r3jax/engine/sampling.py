@@ -21,7 +21,8 @@ def seed_words(seed: int) -> np.ndarray:
 def step_keys(key_data: jax.Array, index: jax.Array) -> jax.Array:
     """Key for the ``index``-th sampled token of each row. key_data [B, 2] uint32, index [B] int32.
 
-    Depends only on the request's seed and the token index, never on the batch it ran in.
+    Depends only on the request's seed and the token index, never on the batch it ran in (the
+    logits it samples from can: docs/models.md, "What a seed fixes").
     """
     keys = jax.random.wrap_key_data(key_data, impl="threefry2x32")
     return jax.vmap(jax.random.fold_in)(keys, index)

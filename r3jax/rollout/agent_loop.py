@@ -34,8 +34,10 @@ class AgentLoop:
     generator: the in-process ``Engine`` or a ``RemoteInferenceClient`` (or anything with the
     same ``generate``/``agenerate``). ``mode``: ``"auto"`` (async if the generator has
     ``agenerate``), ``"batched"`` or ``"async"``. ``max_seq_len`` bounds each trajectory (<= the
-    generator's). ``seed`` fixes env seeds and per-request sampling seeds, so a run is reproducible
-    whatever the batching. ``return_routed_experts=False`` samples without routes (captured all
+    generator's). ``seed`` fixes env seeds and per-request sampling seeds, so a run's random draws
+    are the same whatever the batching; its logits can differ in their last bits with the steps each
+    turn shared, so async runs of one seed agree in distribution, not bit for bit (docs/models.md,
+    "What a seed fixes"). ``return_routed_experts=False`` samples without routes (captured all
     False).
 
     ``chat=True``: ``env_factory()`` gives :class:`~r3jax.rollout.chat.ChatEnv` environments (messages

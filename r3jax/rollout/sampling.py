@@ -1,4 +1,4 @@
-"""Per-turn sampling settings of an agent loop, and the seeds that make a run reproducible whatever
+"""Per-turn sampling settings of an agent loop, and the seeds that fix a run's random draws whatever
 the batching (env seeds and per-request sampling seeds derived from the loop's seed)."""
 
 from __future__ import annotations

@@ -92,3 +92,16 @@ def test_the_engine_runs_the_head_in_fp32_unless_told_not_to(tiny_model, engines
     a, b = on.generate(reqs), off.generate(reqs)
     same = [(x.logprobs[0], y.logprobs[0]) for x, y in zip(a, b) if x.output_ids == y.output_ids]
     assert same and any(x != y for x, y in same), same
+
+
+def test_a_batch_submitted_together_gives_the_same_bf16_outputs_every_time(tiny_model, engines, make_engine):
+    """What a seed fixes (docs/models.md): the same requests submitted together to engines in the same
+    state (a fresh one each) give bit-equal tokens, logprobs and route rows, seeded sampling included."""
+    rng = np.random.default_rng(5)
+    reqs = [GenerateRequest(prompt_ids=rng.integers(0, V, n).tolist(), max_tokens=10, temperature=1.0, seed=i,
+                            return_logprobs=True, return_routed_experts=True) for i, n in enumerate((3, 12, 26, 40))]
+    runs = [make_engine(tiny_model, dtype=jnp.bfloat16, **KW).generate(reqs) for _ in range(2)]
+    for a, b in zip(*runs):
+        assert a.output_ids == b.output_ids and a.cached_tokens == b.cached_tokens == 0
+        np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
+        np.testing.assert_array_equal(np.asarray(a.logprobs, np.float32), np.asarray(b.logprobs, np.float32))
