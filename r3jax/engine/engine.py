@@ -28,7 +28,7 @@ from models.weights import split_weights
 from r3jax.checks import FieldError, check_int
 from r3jax.engine import step as dev
 from r3jax.engine.pages import PagePool
-from r3jax.engine.programs import Programs, bucket, fill, prefill_buckets, round_up
+from r3jax.engine.programs import Programs, bucket, default_prefill_rows, fill, prefill_buckets, round_up
 from r3jax.engine.request import GREEDY_BELOW, GenerateOutput, GenerateRequest
 from r3jax.engine.sampling import seed_words
 from r3jax.engine.sharding import Placement
@@ -65,7 +65,8 @@ class Engine:
       block_size: tokens per page.
       prefill_chunk: tokens per prefill row (a prompt takes ceil(P / prefill_chunk) rows, over one or
         more steps).
-      prefill_rows: most prefill rows per step (default 16); or give ``max_num_batched_tokens`` (tokens
+      prefill_rows: most prefill rows per step (default 16, or ``max(4, max_batch_size)`` when smaller:
+        :func:`r3jax.engine.programs.default_prefill_rows`); or give ``max_num_batched_tokens`` (tokens
         per step: ``max_batch_size`` decode rows + ``prefill_rows * prefill_chunk``). Steps that prefill
         get programs of 4, 16, ... rows up to ``prefill_rows`` (:func:`r3jax.engine.programs.prefill_buckets`),
         and a step takes up to 4 rows, more when that many prompts wait (:meth:`prefill_rows_for`): a
@@ -120,7 +121,7 @@ class Engine:
         if max_num_batched_tokens is not None:
             _check("max_num_batched_tokens", max_num_batched_tokens, max_batch_size + prefill_chunk)
             prefill_rows = (max_num_batched_tokens - max_batch_size) // prefill_chunk
-        prefill_rows = 16 if prefill_rows is None else prefill_rows
+        prefill_rows = default_prefill_rows(max_batch_size) if prefill_rows is None else prefill_rows
         _check("prefill_rows", prefill_rows, 1)
         _check_model_config(model)
         own = isinstance(model, MoeTransformer)

@@ -29,6 +29,18 @@ def bucket(n: int, sizes: list[int]) -> int:
     return sizes[-1]
 
 
+DEFAULT_PREFILL_ROWS = 16
+
+
+def default_prefill_rows(max_batch_size: int) -> int:
+    """An engine's ``prefill_rows`` when neither it nor ``max_num_batched_tokens`` is given: 16, or
+    ``max(4, max_batch_size)`` when that is smaller. A step's rows beyond 4 come from distinct prompts
+    (:meth:`r3jax.engine.Engine.prefill_rows_for`), and no more than ``max_batch_size`` prompts run at
+    once, so a larger bucket would be a program compiled at start and never run (an 8-row engine
+    compiled a 16-row step)."""
+    return min(DEFAULT_PREFILL_ROWS, max(4, max_batch_size))
+
+
 def prefill_buckets(prefill_rows: int) -> list[int]:
     """Prefill-row buckets of an engine of at most ``prefill_rows`` rows per step: 0 (the decode loop),
     the powers of 4 from 4 below ``prefill_rows``, and ``prefill_rows`` itself (16: [0, 4, 16]; 2: [0, 2]).

@@ -91,18 +91,18 @@ def test_decode_buckets_and_mixed_decode_buckets_set_the_program_set(tiny_model)
     from r3jax.engine import Engine
     from r3jax.checks import FieldError
 
-    kw = dict(max_seq_len=64, max_batch_size=8, num_pages=25, prefix_cache_bytes=0)
+    kw = dict(max_seq_len=64, max_batch_size=16, num_pages=25, prefix_cache_bytes=0)
     three, every, one = (Engine(tiny_model, **kw), Engine(tiny_model, mixed_decode_buckets=3, **kw),
                          Engine(tiny_model, decode_buckets=1, **kw))
     try:
         rows = lambda e: [(lay.decode_rows, lay.prefill_rows) for lay in e.layouts()]  # noqa: E731
-        assert rows(three) == [(2, 0), (4, 0), (8, 0), (8, 4), (8, 16)]
-        assert rows(every) == [(d, p) for d in (2, 4, 8) for p in (0, 4, 16)]
-        assert rows(one) == [(8, 0), (8, 4), (8, 16)]
-        assert (three.layout(1, 0).decode_rows, three.layout(1, 1).decode_rows) == (2, 8)
-        assert (every.layout(1, 1).decode_rows, every.layout(3, 4).decode_rows) == (2, 4)
+        assert rows(three) == [(4, 0), (8, 0), (16, 0), (16, 4), (16, 16)]
+        assert rows(every) == [(d, p) for d in (4, 8, 16) for p in (0, 4, 16)]
+        assert rows(one) == [(16, 0), (16, 4), (16, 16)]
+        assert (three.layout(1, 0).decode_rows, three.layout(1, 1).decode_rows) == (4, 16)
+        assert (every.layout(1, 1).decode_rows, every.layout(5, 4).decode_rows) == (4, 8)
         assert (three.layout(1, 1).prefill_rows, three.layout(1, 5).prefill_rows) == (4, 16)
-        assert one.layout(1, 0).decode_rows == 8
+        assert one.layout(1, 0).decode_rows == 16
     finally:
         three.close(), every.close(), one.close()
     for name in ("decode_buckets", "mixed_decode_buckets"):

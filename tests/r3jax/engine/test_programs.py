@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from r3jax.engine import Engine, GenerateRequest
+from r3jax.engine import programs
 from r3jax.engine.programs import fill, prefill_buckets
 
 from tests.r3jax.engine.conftest import ENGINE_KW
@@ -67,13 +68,19 @@ def test_a_batch_of_prompts_is_prefilled_in_one_step_and_answers_as_in_steps_of_
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-6)
 
 
-def test_the_default_is_16_rows_and_the_server_says_so(tiny_model):
+@pytest.mark.parametrize("batch, rows, buckets", [(64, 16, [0, 4, 16]), (16, 16, [0, 4, 16]), (8, 8, [0, 4, 8]),
+                                                 (4, 4, [0, 4]), (1, 4, [0, 4])])
+def test_the_default_is_16_rows_or_max_4_batch_and_the_server_says_so(tiny_model, batch, rows, buckets):
+    """No prefill bucket larger than the prompts an engine can run at once (and at least 4 rows, what one
+    long prompt takes a step)."""
     from r3jax.serve.server import ENGINE_DEFAULT_PREFILL_ROWS
 
-    eng = Engine(tiny_model, **{k: v for k, v in ENGINE_KW.items() if k != "prefill_rows"})  # nothing compiled
+    kw = {k: v for k, v in ENGINE_KW.items() if k != "prefill_rows"}
+    eng = Engine(tiny_model, **{**kw, "max_batch_size": batch})  # nothing compiled
     try:
-        assert eng.prefill_rows == ENGINE_DEFAULT_PREFILL_ROWS == 16
-        assert eng.max_num_batched_tokens == ENGINE_KW["max_batch_size"] + 16 * ENGINE_KW["prefill_chunk"]
-        assert [lay.prefill_rows for lay in eng.layouts()] == [0, 4, 16]
+        assert ENGINE_DEFAULT_PREFILL_ROWS == programs.DEFAULT_PREFILL_ROWS == 16
+        assert eng.prefill_rows == programs.default_prefill_rows(batch) == rows
+        assert eng.max_num_batched_tokens == batch + rows * ENGINE_KW["prefill_chunk"]
+        assert sorted({lay.prefill_rows for lay in eng.layouts()}) == buckets
     finally:
         eng.close()
