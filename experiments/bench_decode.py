@@ -20,8 +20,10 @@ models.hf.save_pretrained, loaded by transformers.Qwen3MoeForCausalLM (fp32, tor
 `generate` (no router outputs: its fastest path), with torch's faster thread count on this machine
 (1 or all cores, picked per batch size by a short trial: hf_threads). hf_same_tokens: fraction of
 rows whose greedy continuation equals ours token for token (both run the same model). The kernel
-table (every expert kernel MoeConfig accepts, inside the engine, B = 8) uses 32 new tokens; the
-fastest kernel is then used against the peers. On CPU our models are built with unrolled layers
+table (every expert kernel MoeConfig accepts, inside the engine, B = 8) uses 32 new tokens; against
+the peers the engine runs its default kernel for this backend (``moe_impl=None``: "gather" on CPU), as
+a user gets it. Each side is sized for the batch it runs: our engine has ``max_batch_size`` = B (HF's
+cache and Tunix's sampler are built per batch too). On CPU our models are built with unrolled layers
 (``scan_layers=False``; see experiments/bench_step.py for what the scanned layout costs there).
 """
 
@@ -50,9 +52,12 @@ def _prompts(cfg, batch, seed=0, length=PROMPT):
     return np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, length))
 
 
-def _engine(model, new, batches, impl, prompt=PROMPT):
-    return Engine(model, max_seq_len=prompt + new, max_batch_size=max(batches), prefix_cache_bytes=0,
-                  moe_impl=impl)
+def _engine(model, new, batch, impl, prompt=PROMPT):
+    """An engine configured for ``batch`` requests of ``prompt + new`` tokens, as HF's cache and Tunix's
+    sampler are sized for the batch they run (an engine of 64 requests running 8 pads every decode call
+    to its smallest decode bucket, 16, and every prefill step to 64 decode rows: bench_paged and
+    bench_engine measure a server's engine under a mix)."""
+    return Engine(model, max_seq_len=prompt + new, max_batch_size=batch, prefix_cache_bytes=0, moe_impl=impl)
 
 
 def _ours(engine, prompts, new, capture):
@@ -118,13 +123,14 @@ def bench_impls(name, model, batches, new, repeats):
     """Decode tokens/s of the engine with each expert kernel (capture on)."""
     rows = []
     for impl in _kernels(model.config):
-        eng = _engine(model, new, batches, impl)
         for b in batches:
+            eng = _engine(model, new, b, impl)
             prompts = _prompts(model.config, b)
-            _ours(eng, prompts, 1, True)  # compile
+            _ours(eng, prompts, new, True)  # compiles the prefill step and the decode loop
             dt = min(_ours(eng, prompts, new, True)[0] for _ in range(repeats))
             rows.append({"config": name, "moe_impl": impl, "B": b, "new_tokens": new, "tok_s": b * new / dt})
             print(rows[-1], flush=True)
+            eng.close()
     return rows
 
 
@@ -133,11 +139,12 @@ def bench_vs_peers(name, model, impl, batches, new, repeats, hf_repeats, hf_mode
     """Ours with capture on and off (alternating, ``repeats`` each), HF (``hf_repeats``, spread between
     ours) and, given ``tunix_dir`` (the checkpoint's directory), Tunix (one subprocess of its own
     repeats, halfway through ours) on the same prompts; every figure is the best of its runs."""
-    eng = _engine(model, new, batches, impl, prompt)
     rows = []
     for b in batches:
+        eng = _engine(model, new, b, impl, prompt)
         prompts = _prompts(model.config, b, length=prompt)
-        _ours(eng, prompts, 1, True), _ours(eng, prompts, 1, False)  # compile both programs
+        # a fresh engine per batch: one untimed run each way compiles its prefill step and decode loop
+        _ours(eng, prompts, new, True), _ours(eng, prompts, new, False)
         threads = _hf_threads(hf_model, prompts)
         times, seqs = {"on": [], "off": [], "hf": []}, {}
         runs = {"on": lambda: _ours(eng, prompts, new, True), "off": lambda: _ours(eng, prompts, new, False),
@@ -154,7 +161,7 @@ def bench_vs_peers(name, model, impl, batches, new, repeats, hf_repeats, hf_mode
                 tunix = tunix_decode(tunix_dir, prompts, new, repeats=max(2, repeats // 2))
         on, off, hf = (b * new / min(times[k]) for k in ("on", "off", "hf"))
         ours, theirs = seqs["on"], seqs["hf"]
-        row = {"config": name, "moe_impl": impl, "B": b, "prompt_tokens": prompt, "new_tokens": new,
+        row = {"config": name, "moe_impl": eng.config.moe_impl, "B": b, "prompt_tokens": prompt, "new_tokens": new,
                "repeats": repeats, "hf_repeats": len(times["hf"]), "hf_threads": threads,
                "ours_capture_on_tok_s": on, "ours_capture_off_tok_s": off, "capture_on_over_off": on / off,
                "hf_tok_s": hf, "ours_over_hf": on / hf, "hf_same_tokens": float(np.mean((ours == theirs).all(-1)))}
@@ -164,6 +171,7 @@ def bench_vs_peers(name, model, impl, batches, new, repeats, hf_repeats, hf_mode
                        tunix_same_tokens=float(np.mean((ours == tunix["tokens"]).all(-1))))
         rows.append(row)
         print(rows[-1], flush=True)
+        eng.close()
     return rows
 
 
@@ -212,9 +220,8 @@ def main():
         small = name == "tiny"
         repeats, hf_repeats = ((6, 2) if small else (2, 1)) if args.quick else ((12, 4) if small else (6, 2))
         impl_rows += bench_impls(name, model, (8,), 32, 3 if small else 2)
-        impl = max((r for r in impl_rows if r["config"] == name), key=lambda r: r["tok_s"])["moe_impl"]
         peer = name == "peer"
-        rows += bench_vs_peers(name, model, impl, batches, 32 if args.quick else (64 if peer else new), repeats,
+        rows += bench_vs_peers(name, model, None, batches, 32 if args.quick else (64 if peer else new), repeats,
                                hf_repeats, _load_hf(model, hf_dir), prompt=32 if peer else PROMPT,
                                tunix_dir=hf_dir if peer and not args.no_tunix else None)
     turn_rows, same = bench_multiturn(8 if args.quick else 16)
