@@ -119,14 +119,15 @@ SECTIONS = [
             "Greedy decode with routes captured against Hugging Face transformers `generate` (torch, fp32) and "
             "Tunix 0.1.7's `Sampler` (peer config only, its own venv) on the same weights. `hf_same_tokens` / "
             "Tunix's: fraction of rows whose continuation equals ours token for token; a speed ratio is shown "
-            "only where it is 1. Our models run with unrolled layers on CPU; the engine decodes 8 steps per "
-            "device call (`decode_steps`). Against the goals (≥ 1.5× HF at B = 8 and 32, ≥ 2× Tunix at B = 8) "
-            "on this CPU, in this run: tiny reaches the HF goal at B = 8 and 32 (3.2× and 1.66×; 0.92× at B = 64); "
-            "the peer config is 1.03× HF at B = 8, 0.75× at B = 32, and 0.64–0.77× Tunix (0.77× at B = 8); "
-            "small_100m is 1.45× HF at B = 8 and below it from B = 32. HF's own tokens/s moves by up to 1.7× between runs on this loaded 2-core machine "
-            "(`--quick`: one HF repeat; in this run HF and our engine both ran at about 0.6× the tokens/s of the run "
-            "before, whose host was less loaded). B prompts submitted at once are prefilled up to 16 a step "
-            "(`Engine.prefill_rows_for`). "
+            "only where it is 1. Each side is sized for its batch (our engine: `max_batch_size` = B) and ours runs "
+            "its default kernel (gather on CPU); our models run with unrolled layers on CPU, and the engine decodes "
+            "8 steps per device call (`decode_steps`). Against the goals (≥ 1.5× HF at B = 8 and 32, ≥ 2× Tunix "
+            "at B = 8) on this CPU, in this run: tiny reaches the HF goal at B = 8 and 32 (6.4× and 2.1×; 1.04× "
+            "at B = 64); the peer config is 2.1× HF at B = 8 but 1.29× at B = 32 (0.93× at B = 64), and 2.7× "
+            "Tunix at B = 8; small_100m is 2.0× HF at B = 8 and 2.2× at B = 32. HF's own tokens/s moves by up "
+            "to 1.7× between runs on this loaded 2-core machine (`--quick`: one HF repeat), and so does "
+            "capture on ÷ off at 2 repeats (0.96–1.6). B prompts submitted at once are prefilled up to 16 a "
+            "step (`Engine.prefill_rows_for`). "
             "[Where a decode step's time goes](#where-a-decode-steps-time-goes) breaks a call down.", bench_decode),
     Section("serve_start", "Server start, cold and on restart", "python -m experiments.serve_start",
             "`python -m r3jax serve --model tiny --port 0 --compilation-cache DIR` launched as a user would, "
@@ -149,8 +150,8 @@ SECTIONS = [
             "that decode (a call runs a decode loop of up to 8 steps, or one mixed step); `mean_live_slots`: tokens "
             "decoded per such call (rows × steps). In this run the mixed agents' goal is missed: they (8 turns "
             "each, mostly 8 tokens a turn) finish after the long sessions (3 turns of 96 tokens: mixed ÷ long "
-            "1.12, goal ≤ 0.5), and the long sessions take 5.3× as long in the mix as alone, past their goal "
-            "(≤ 2); alone they take 0.31 s, so that ratio moves a lot from run to run.",
+            "1.19, goal ≤ 0.5), and the long sessions take 5.5× as long in the mix as alone, past their goal "
+            "(≤ 2); alone they take 0.19 s, so that ratio moves a lot from run to run.",
             bench_engine),
     Section("bench_paged", "The paged engine (beside the fixed-slot engine it replaced)", "python -m experiments.bench_paged",
             "Tiny model in process, max_seq_len 512, 8 requests at once, seeded request streams: programs and "
@@ -174,8 +175,8 @@ SECTIONS = [
             "program timed alone (`device_ms`), so a call of the loop takes up to 8 × `device_ms` "
             "(`host_over_device` divides the host's work per call by one step). small_100m twice: its "
             "preset's scanned layers and the same model with `scan_layers=False`. In this run the host's "
-            "work per call is 3.5–5.3 ms for tiny against calls of 8.5–21 ms, and at most 4.8 ms against "
-            "190–894 ms for small_100m, whose scanned layout costs 2.2–2.7× the unrolled one per step "
+            "work per call is 0.8–2.0 ms for tiny against calls of 4–11 ms, and at most 3.0 ms against "
+            "115–515 ms for small_100m, whose scanned layout costs 1.7–2.5× the unrolled one per step "
             "(`device_ms`). B prompts submitted at once are prefilled up to 16 a step, so B = 32 and 64 take "
             "7 and 11 calls.",
             bench_step),

@@ -65,7 +65,7 @@ class Engine:
       block_size: tokens per page.
       prefill_chunk: tokens per prefill row (a prompt takes ceil(P / prefill_chunk) rows, over one or
         more steps).
-      prefill_rows: most prefill rows per step (default 16, or ``max(4, max_batch_size)`` when smaller:
+      prefill_rows: most prefill rows per step (default 16, or 4 when ``max_batch_size`` < 12:
         :func:`r3jax.engine.programs.default_prefill_rows`); or give ``max_num_batched_tokens`` (tokens
         per step: ``max_batch_size`` decode rows + ``prefill_rows * prefill_chunk``). Steps that prefill
         get programs of 4, 16, ... rows up to ``prefill_rows`` (:func:`r3jax.engine.programs.prefill_buckets`),

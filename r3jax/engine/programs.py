@@ -33,12 +33,14 @@ DEFAULT_PREFILL_ROWS = 16
 
 
 def default_prefill_rows(max_batch_size: int) -> int:
-    """An engine's ``prefill_rows`` when neither it nor ``max_num_batched_tokens`` is given: 16, or
-    ``max(4, max_batch_size)`` when that is smaller. A step's rows beyond 4 come from distinct prompts
-    (:meth:`r3jax.engine.Engine.prefill_rows_for`), and no more than ``max_batch_size`` prompts run at
-    once, so a larger bucket would be a program compiled at start and never run (an 8-row engine
-    compiled a 16-row step)."""
-    return min(DEFAULT_PREFILL_ROWS, max(4, max_batch_size))
+    """An engine's ``prefill_rows`` when neither it nor ``max_num_batched_tokens`` is given: 16 when at
+    least 12 requests run at once, else 4. A step takes more than 4 rows only for that many distinct
+    prompts (:meth:`r3jax.engine.Engine.prefill_rows_for`), and :func:`fill` takes 16 rows for 12 or
+    more, so a smaller engine would compile a 16-row step it never runs (an 8-request engine did). Nor
+    does it get an intermediate bucket of ``max_batch_size`` rows: 8-row steps beside 8 decode rows
+    made bench_paged's mix worse (short ÷ long 0.70-0.72 against 0.55-0.56 with steps of 4)."""
+    big = fill(max_batch_size, prefill_buckets(DEFAULT_PREFILL_ROWS)) > 4
+    return DEFAULT_PREFILL_ROWS if big else 4
 
 
 def prefill_buckets(prefill_rows: int) -> list[int]:

@@ -81,8 +81,8 @@ def parse_args(argv: list[str], devices=None) -> argparse.Namespace:
                      help="prompt tokens per prefill row (a long prompt takes several rows, over several steps)")
     eng.add_argument("--max-num-batched-tokens", type=int, default=None,
                      help="tokens per step: --max-batch-size decode rows + whole prefill chunks (default: "
-                          f"--max-batch-size + min({ENGINE_DEFAULT_PREFILL_ROWS}, max(4, --max-batch-size)) x "
-                          "--prefill-chunk)")
+                          f"--max-batch-size + {ENGINE_DEFAULT_PREFILL_ROWS} x --prefill-chunk, or 4 x with "
+                          "--max-batch-size < 12)")
     eng.add_argument("--num-pages", type=int, default=None,
                      help="pages in the pool (default: --max-batch-size full sequences + --prefix-cache-mb)")
     eng.add_argument("--decode-buckets", type=int, default=ENGINE_DEFAULTS["decode_buckets"],

@@ -68,11 +68,11 @@ def test_a_batch_of_prompts_is_prefilled_in_one_step_and_answers_as_in_steps_of_
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("batch, rows, buckets", [(64, 16, [0, 4, 16]), (16, 16, [0, 4, 16]), (8, 8, [0, 4, 8]),
-                                                 (4, 4, [0, 4]), (1, 4, [0, 4])])
-def test_the_default_is_16_rows_or_max_4_batch_and_the_server_says_so(tiny_model, batch, rows, buckets):
-    """No prefill bucket larger than the prompts an engine can run at once (and at least 4 rows, what one
-    long prompt takes a step)."""
+@pytest.mark.parametrize("batch, rows, buckets", [(64, 16, [0, 4, 16]), (16, 16, [0, 4, 16]), (12, 16, [0, 4, 16]),
+                                                 (11, 4, [0, 4]), (8, 4, [0, 4]), (1, 4, [0, 4])])
+def test_the_default_is_16_rows_from_12_requests_else_4_and_the_server_says_so(tiny_model, batch, rows, buckets):
+    """No 16-row prefill program in an engine that never runs 12 prompts at once (the fewest that take
+    16 rows), and no intermediate bucket: 4 rows, what one long prompt takes a step."""
     from r3jax.serve.server import ENGINE_DEFAULT_PREFILL_ROWS
 
     kw = {k: v for k, v in ENGINE_KW.items() if k != "prefill_rows"}
