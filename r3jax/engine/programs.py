@@ -38,7 +38,7 @@ def default_prefill_rows(max_batch_size: int) -> int:
     prompts (:meth:`r3jax.engine.Engine.prefill_rows_for`), and :func:`fill` takes 16 rows for 12 or
     more, so a smaller engine would compile a 16-row step it never runs (an 8-request engine did). Nor
     does it get an intermediate bucket of ``max_batch_size`` rows: 8-row steps beside 8 decode rows
-    made bench_paged's mix worse (short ÷ long 0.70-0.72 against 0.55-0.56 with steps of 4)."""
+    made bench_paged's mixed workload worse than steps of 4 (CHANGELOG has the runs)."""
     big = fill(max_batch_size, prefill_buckets(DEFAULT_PREFILL_ROWS)) > 4
     return DEFAULT_PREFILL_ROWS if big else 4
 
