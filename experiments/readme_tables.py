@@ -195,10 +195,10 @@ SECTIONS = [
             "which a decode step must read once; `accessed`: XLA's bytes-accessed estimate of the compiled "
             "program per chip. XLA counts a while loop's body once and a Pallas kernel's own reads not at all, "
             "so the models are compiled with their layers unrolled and only 2 of them (deepseek_v3: its 3 dense "
-            "layers and one MoE layer; the preset's shapes otherwise); `auto` is the Pallas ragged paged attention kernel (its figure is what runs outside "
-            "the kernel: the adapter re-lays the k and v pages out into the kernel's combined layout, a copy of "
-            "the pool per layer per step), `xla` our gather-over-pages loop (its loop over key blocks counted "
-            "once: a lower bound).", decode_bytes),
+            "layers and one MoE layer; the preset's shapes otherwise); `auto` is the Pallas ragged paged attention "
+            "kernel where it covers the model (its figure is what runs outside the kernel, which reads the pool in place: the "
+            "engine stores GQA keys and values in the kernel's combined layout; MLA's latent cache runs `xla`), "
+            "`xla` our gather-over-pages loop (its loop over key blocks counted once: a lower bound).", decode_bytes),
     Section("bench_trace", "Routes, trace, batches", "python -m experiments.bench_trace",
             "Append + finalize of a `RoutedExpertTrace` (Qwen3-30B-A3B route shape) against re-concatenating the "
             "whole prefix every turn; bytes per route row in each wire form; padded against packed batches.",

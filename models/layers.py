@@ -109,7 +109,10 @@ def attend(cfg: MoeConfig, q, k, v, positions, segment_ids=None, kv=None):
     if kv is not None and not isinstance(kv, tuple):  # a page pool (models/paged.py)
         from models import paged
 
-        pk, pv = paged.write(kv.k, k, kv.meta, dt, kv.layer), paged.write(kv.v, v, kv.meta, dt, kv.layer)
+        if kv.v is None:  # one combined pool, keys and values interleaved by head
+            pk, pv = paged.write_kv(kv.k, k, v, kv.meta, dt, kv.layer), None
+        else:
+            pk, pv = paged.write(kv.k, k, kv.meta, dt, kv.layer), paged.write(kv.v, v, kv.meta, dt, kv.layer)
         out = paged.ragged_attention(q, (pk,), pv, positions, kv.meta, scale=cfg.head_dim ** -0.5, dtype=dt,
                                      impl=cfg.attention_impl, layer=kv.layer)
         return out, (pk, pv)

@@ -1,10 +1,15 @@
 """A paged KV cache and ragged attention over it: what the engine's mixed prefill + decode steps run on.
 
-Pool layout (per run of identical layers, as :class:`models.KVCache`): ``k[g]``, ``v[g]``
-[n_g, num_pages, page_size, Hc, Dc] with ``(Hc, Dc)`` from :func:`models.cache.cache_layout`. Page 0
-is the trash page: padding writes there and nothing real is ever read from it. A float pool may be
-stored as the unsigned ints of its width (CPU: XLA runs a 16-bit float scatter in f32 over the whole
-buffer; an int scatter touches only the written rows); reads bitcast back.
+Pool layout (per run of identical layers, as :class:`models.KVCache`): GQA keeps keys and values in
+one pool per run, ``k[g]`` [n_g, num_pages, page_size, 2 * Hkv, head_dim] interleaved by head (key
+head h at 2h, value head h at 2h + 1) and ``v`` empty: the layout the TPU ragged paged attention kernel
+reads in place (as tpu-inference stores it), so a step copies nothing of the pool for it, and one
+scatter writes a token's keys and values. MLA's latent cache (key and value dims differ) keeps two
+pools, ``k[g]``, ``v[g]`` [n_g, num_pages, page_size, Hc, Dc] with ``(Hc, Dc)`` from
+:func:`models.cache.cache_layout`. Page 0 is the trash page: padding writes there and nothing real
+is ever read from it. A float pool may be stored as the unsigned ints of its width (CPU: XLA runs a
+16-bit float scatter in f32 over the whole buffer; an int scatter touches only the written rows);
+reads bitcast back.
 
 A step feeds ``N = decode_rows + prefill_rows * prefill_len`` tokens as one ``[1, N]`` batch (the
 model's projections, MLPs and experts see every token of the step at once, so the weights are read
@@ -85,7 +90,8 @@ class PagedMeta:
 @struct.dataclass
 class PagedCache:
     """The page pool handed to the model (``model(tokens [1, N], positions [1, N], cache=...)``):
-    ``k``, ``v`` per layer group (module docstring) plus this step's :class:`PagedMeta`."""
+    ``k``, ``v`` per layer group (module docstring; ``v`` is ``()`` for a combined GQA pool) plus this
+    step's :class:`PagedMeta`."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -93,28 +99,38 @@ class PagedCache:
 
     @staticmethod
     def init_pool(cfg: MoeConfig, num_pages: int, page_size: int, *, bits: bool = False, dtype=None):
-        """``(k, v)`` tuples of zeroed pages; ``bits``: stored as unsigned ints of the float's width."""
+        """``(k, v)`` tuples of zeroed pages (:func:`pool_shapes`); ``bits``: stored as unsigned ints of
+        the float's width."""
         dtype = np.dtype(cfg.dtype if dtype is None else dtype)
         if bits and jnp.issubdtype(dtype, jnp.floating):  # np.issubdtype: False for bfloat16
             dtype = np.dtype(f"uint{8 * dtype.itemsize}")
-        lay = cache_layout(cfg)
+        k, v = pool_shapes(cfg)
         zeros = lambda hd: tuple(jnp.zeros((len(ids), num_pages, page_size) + hd, dtype)
                                  for _, ids in layer_groups(cfg))
-        return zeros(lay.k), zeros(lay.v)
+        return zeros(k), (() if v is None else zeros(v))
+
+
+def pool_shapes(cfg: MoeConfig) -> tuple[tuple[int, int], tuple[int, int] | None]:
+    """Trailing ``(Hc, Dc)`` of the k and v pools: GQA ``((2 * Hkv, head_dim), None)`` (one combined pool,
+    module docstring), MLA :func:`models.cache.cache_layout`'s two."""
+    lay = cache_layout(cfg)
+    if lay.k == lay.v:
+        return (2 * lay.k[0], lay.k[1]), None
+    return lay.k, lay.v
 
 
 @struct.dataclass
 class PagedLayer:
-    """One layer's view inside the model: its group's whole pools ``k``, ``v`` [n, P, ps, Hc, Dc], its
-    index ``layer`` in them ([] int32) and the step's meta. Indexable like the ``(k, v)`` tuple of a
-    contiguous cache (``kv[0]``, ``kv[1]``).
+    """One layer's view inside the model: its group's whole pools ``k``, ``v`` [n, P, ps, Hc, Dc] (``v``
+    None for a combined GQA pool in ``k``), its index ``layer`` in them ([] int32) and the step's meta.
+    Indexable like the ``(k, v)`` tuple of a contiguous cache (``kv[0]``, ``kv[1]``).
 
     The layer writes into and gathers from the stacked pools at ``layer`` instead of slicing its
     ``[P, ...]`` pages out and back: that slice is a copy of the layer's whole pool (XLA does not alias
     it), three passes over the KV per layer per step whatever the tokens."""
 
     k: jax.Array
-    v: jax.Array
+    v: jax.Array | None
     meta: PagedMeta
     layer: jax.Array | None = None
 
@@ -144,24 +160,35 @@ def write(pages, new, meta: PagedMeta, dtype, layer=None):
     return pages.at[layer, meta.page, meta.offset].set(_stored(new[0], pages, dtype))
 
 
+def write_kv(pages, k, v, meta: PagedMeta, dtype, layer=None):
+    """Write this step's keys ``k`` and values ``v`` [1, N, Hkv, D] into a combined pool ``pages`` [P,
+    ps, 2 * Hkv, D] (or [n, P, ...] at ``layer``), interleaved by head (module docstring): one scatter."""
+    kv = jnp.stack([k, v.astype(k.dtype)], axis=-2)  # [1, N, Hkv, 2, D]: k head h then v head h
+    return write(pages, kv.reshape(*k.shape[:2], 2 * k.shape[2], k.shape[3]), meta, dtype, layer)
+
+
+def split_kv(x):
+    """A combined pool's gathered pages [..., 2 * Hkv, D] -> (keys, values) [..., Hkv, D] each."""
+    x = x.reshape(*x.shape[:-2], x.shape[-2] // 2, 2, x.shape[-1])
+    return x[..., 0, :], x[..., 1, :]
+
+
 def ragged_attention(q, keys, values, positions, meta: PagedMeta, *, scale: float, dtype, impl: str = "auto",
                      layer=None):
     """Attention of a step's queries over their rows' pages (the module docstring has the layout).
 
     q [1, N, H, Dq]; keys: a tuple of page arrays [P, ps, Hkv, d_i] whose gathers are concatenated on
-    the last axis into the key (GQA: ``(k,)``; MLA's latent cache: ``(c_kv, k_rot)``); values [P, ps,
-    Hkv, Dv]; positions [1, N]. Returns [1, N, H, Dv] in q's dtype. ``impl``: :data:`RAGGED_IMPLS` or a
-    full-sequence ``MoeConfig.attention_impl`` name (module docstring). ``layer``: the pages are stacked
-    [n, P, ps, ...] and this is layer ``layer`` of them (gathered in place).
+    the last axis into the key (MLA's latent cache: ``(c_kv, k_rot)``), or ``(kv,)``, a combined GQA
+    pool [P, ps, 2 * Hkv, D], with ``values`` None; values [P, ps, Hkv, Dv] (separate pools); positions
+    [1, N]. Returns [1, N, H, Dv] in q's dtype. ``impl``: :data:`RAGGED_IMPLS` or a full-sequence
+    ``MoeConfig.attention_impl`` name (module docstring). ``layer``: the pages are stacked [n, P, ps,
+    ...] and this is layer ``layer`` of them (read in place by either kernel).
     """
-    if layer is not None:
-        one = tuple(k[layer] for k in keys), values[layer]  # unused (and dropped by XLA) on the XLA path
-        if _resolve(impl, q, *one, dtype) == "pallas":
-            (keys, values), layer = one, None  # the adapter re-lays the pages out anyway
     if _resolve(impl, q, keys, values, dtype) == "pallas":
         from models import ragged_tpu
 
-        return ragged_tpu.ragged_paged_attention(q, keys, values, positions, meta, scale=scale, dtype=dtype)
+        return ragged_tpu.ragged_paged_attention(q, keys, values, positions, meta, scale=scale, dtype=dtype,
+                                                 layer=layer)
     lay = meta.layout
     q, pos = q[0], positions[0]
     d, p = lay.decode_rows, lay.prefill_rows
@@ -190,7 +217,7 @@ def _target_platform() -> str:
 
 
 def _resolve(impl: str, q, keys, values, dtype) -> str:
-    """``"pallas"`` or ``"xla"`` for this call (module docstring)."""
+    """``"pallas"`` or ``"xla"`` for this call (module docstring; pages may be stacked [n, P, ...])."""
     impl = _FROM_FULL_SEQUENCE.get(impl, impl)
     if impl not in RAGGED_IMPLS:
         raise ValueError(f"ragged_attention impl={impl!r}: expected one of {', '.join(map(repr, RAGGED_IMPLS))} "
@@ -221,11 +248,14 @@ def _paged_rows(q, keys, values, q_pos, table, kv_len, *, block_pages: int, scal
 
     q [R, T, H, Dq]; q_pos [R, T]; table [R, Pmax]; kv_len [R]. Key block i covers the row's pages
     ``[i * block_pages, (i + 1) * block_pages)``; the loop runs ``ceil(max(kv_len) / block)`` times.
-    Returns [R, T, H, Dv] in q's dtype. ``layer``: the pages are stacked [n, P, ...]; read layer ``layer``."""
+    Returns [R, T, H, Dv] in q's dtype. ``layer``: the pages are stacked [n, P, ...]; read layer ``layer``.
+    ``values`` None: ``keys`` is ``(kv,)``, a combined pool (:func:`split_kv` after each gather)."""
     r, t, h, dq = q.shape
-    hkv, dv = values.shape[-2], values.shape[-1]
+    combined = values is None
+    like = keys[0] if combined else values
+    hkv, dv = like.shape[-2] // (2 if combined else 1), like.shape[-1]
     g = h // hkv
-    ps = values.shape[-3]
+    ps = like.shape[-3]
     block = block_pages * ps
     qg = q.reshape(r, t, hkv, g, dq).astype(dtype)
     n_blocks = (jnp.max(kv_len) + block - 1) // block
@@ -237,8 +267,11 @@ def _paged_rows(q, keys, values, q_pos, table, kv_len, *, block_pages: int, scal
     def body(i, carry):
         m, l, acc = carry
         cols = jax.lax.dynamic_slice_in_dim(table, i * block_pages, block_pages, axis=1)
-        k = jnp.concatenate([gather(kp, cols) for kp in keys], axis=-1) if len(keys) > 1 else gather(keys[0], cols)
-        v = gather(values, cols)
+        if combined:
+            k, v = split_kv(gather(keys[0], cols))
+        else:
+            k = jnp.concatenate([gather(kp, cols) for kp in keys], axis=-1) if len(keys) > 1 else gather(keys[0], cols)
+            v = gather(values, cols)
         s = jnp.einsum("rtkgd,rskd->rkgts", qg, k).astype(jnp.float32) * scale
         k_pos = i * block + jnp.arange(block)
         vis = k_pos[None, None, :] <= q_pos[:, :, None]  # [R, T, block]
@@ -258,9 +291,14 @@ def _paged_rows(q, keys, values, q_pos, table, kv_len, *, block_pages: int, scal
 
 
 def pages_reference(q, keys, values, positions, meta: PagedMeta, *, scale: float, dtype=jnp.float32):
-    """Dense numpy reference of :func:`ragged_attention` (tests): gathers every row's whole page table."""
+    """Dense numpy reference of :func:`ragged_attention` (tests): gathers every row's whole page table.
+    Pages unstacked ([P, ...]); ``values`` None for a combined pool, as there."""
     q, pos = np.asarray(q[0], np.float64), np.asarray(positions[0])
     lay = meta.layout
+    if values is None:
+        both = np.asarray(_loaded(keys[0], dtype).astype(jnp.float32), np.float64)
+        both = both.reshape(*both.shape[:2], both.shape[2] // 2, 2, both.shape[3])
+        keys, values = (both[..., 0, :],), both[..., 1, :]
     keys = [np.asarray(_loaded(k, dtype).astype(jnp.float32), np.float64) for k in keys]
     values = np.asarray(_loaded(values, dtype).astype(jnp.float32), np.float64)
     table, out = np.asarray(meta.table), np.zeros(q.shape[:2] + (values.shape[-1],))

@@ -22,15 +22,12 @@ Our step (:mod:`models.paged`) differs in three ways, converted here:
   keys go to the trash page, and the engine samples and keeps routes at real tokens only). This is an
   ``[N, H, D]`` scatter and gather, small next to the pool. The contract this relies on, which the
   planner keeps: a row's real tokens sit at consecutive positions ending at ``kv_len - 1``.
-- **Separate k and v pools.** Ours are ``k``, ``v`` ``[P, ps, Hkv, D]`` each (``PagedCache.init_pool``);
-  the kernel wants them interleaved in one array, so :func:`combined_pages` builds it at the call:
-  **a full copy of the layer's pool every step, for every layer** (reads and writes
-  ``2 * P * ps * Hkv * D`` elements), where the kernel itself only reads the live pages of each row.
-  For a decode step that copy, not the attention, sets the bytes moved. The fix is a pool layout
-  change, not an adapter trick: store one combined pool per layer group ``kv [n, P, ps, 2 * Hkv, D]``
-  (``write`` interleaves the step's k and v before the scatter; the XLA kernel slices ``[..., 0::2,
-  :]`` and ``[..., 1::2, :]`` after its page gather, which costs nothing extra). That touches
-  ``PagedCache``, ``models/layers.py`` and the engine's pool, so it is proposed, not done here.
+- **The pool layout.** The engine's GQA pool is already the kernel's: one combined pool per layer
+  group ``kv [n, P, ps, 2 * Hkv, D]`` interleaved by head (:mod:`models.paged`). A layer's pages are
+  read in place: the stacked pool is viewed as ``[n * P, ps, 2 * Hkv, D]`` (a reshape, no copy) and
+  layer ``j``'s page ids are offset by ``j * P``, so the kernel reads only the live pages of each row.
+  Separate ``k``, ``v`` pools (a caller's own) are still taken, interleaved at the call by
+  :func:`combined_pages`: a full copy of both, every call.
 - **An unsigned-int pool** (the CPU bit-pattern storage) is bitcast back to the float dtype; on TPU the
   pool is stored as floats and the bitcast is absent.
 
@@ -71,16 +68,18 @@ LANES = 128  # the kernel's head dim granule (its l/m scratch rows are 128 lanes
 
 
 def unsupported(q, keys, values, dtype) -> str | None:
-    """Why the kernel cannot take this call (None: it can). q [1, N, H, Dq]; keys a tuple of [P, ps,
-    Hkv, Dk]; values [P, ps, Hkv, Dv]; dtype: the cache's float dtype."""
+    """Why the kernel cannot take this call (None: it can). q [1, N, H, Dq]; keys a tuple of [(n,) P,
+    ps, Hkv, Dk] and values [(n,) P, ps, Hkv, Dv], or keys ``(kv,)`` [(n,) P, ps, 2 * Hkv, D] and values
+    None (a combined pool); dtype: the cache's float dtype."""
     if len(keys) != 1:
         return f"{len(keys)} key arrays (MLA's latent cache): the kernel takes one k and one v per head"
-    dq, dk, dv = q.shape[-1], keys[0].shape[-1], values.shape[-1]
+    hkv, dv = _kv_heads(keys, values), (keys[0] if values is None else values).shape[-1]
+    dq, dk = q.shape[-1], keys[0].shape[-1]
     if not dq == dk == dv:
         return f"head dims q={dq}, k={dk}, v={dv}: the kernel takes one head dim"
     if dq % LANES:
         return f"head_dim={dq}: the kernel takes a multiple of {LANES}"
-    hkv, h = values.shape[2], q.shape[2]
+    h = q.shape[2]
     if h % hkv:
         return f"num_heads={h} is not a multiple of num_kv_heads={hkv}"
     packing = 4 // jnp.dtype(dtype).itemsize
@@ -98,6 +97,17 @@ def combined_pages(k, v, dtype):
     k, v = _loaded(k, dtype), _loaded(v, dtype)
     p, ps, hkv, d = k.shape
     return jnp.stack([k, v], axis=3).reshape(p, ps, 2 * hkv, d)
+
+
+def _kv_heads(keys, values) -> int:
+    return keys[0].shape[-2] // 2 if values is None else values.shape[-2]
+
+
+def layer_pages(kv, table, layer):
+    """A stacked combined pool [n, P, ps, 2Hkv, D] viewed as [n * P, ps, 2Hkv, D] (a reshape: no copy)
+    and ``table`` [R, pages_per_row] moved to layer ``layer``'s pages (``+ layer * P``)."""
+    n, p = kv.shape[:2]
+    return kv.reshape(n * p, *kv.shape[2:]), table + layer * p
 
 
 def packing(positions, meta):
@@ -120,19 +130,31 @@ def packing(positions, meta):
     return slot, real, cu
 
 
-def kernel_inputs(q, keys, values, positions, meta, dtype):
+def kernel_inputs(q, keys, values, positions, meta, dtype, layer=None):
     """Our step's arrays as the kernel's arguments (module docstring).
 
-    q [1, N, H, D]; keys ``(k,)`` and values: [P, ps, Hkv, D] pages; positions [1, N]. Returns
-    ``(inputs, slot)``: inputs = ``(q [N, H, D], kv_pages [P, ps, 2Hkv, D], kv_lens [R], page_indices
-    [R, pages_per_row], cu_q_lens [R + 1], num_seqs [1])`` in the kernel's order, every row a sequence
-    (a padding row reads page 0's first slot); slot [N] for :func:`unpack`."""
+    q [1, N, H, D]; keys ``(kv,)`` a combined pool [P, ps, 2Hkv, D] with values None, or ``(k,)`` and
+    values [P, ps, Hkv, D]; with ``layer``, pages stacked [n, P, ...] (a combined pool is then read in
+    place, :func:`layer_pages`); positions [1, N]. Returns ``(inputs, slot)``: inputs = ``(q [N, H, D],
+    kv_pages [P', ps, 2Hkv, D], kv_lens [R], page_indices [R, pages_per_row], cu_q_lens [R + 1],
+    num_seqs [1])`` in the kernel's order, every row a sequence (a padding row reads its layer's page
+    0's first slot); slot [N] for :func:`unpack`."""
+    from models.paged import _loaded
+
     slot, real, cu = packing(positions, meta)
     n = q.shape[1]
     qp = jnp.zeros(q.shape[1:], dtype).at[jnp.where(real, slot, n)].set(q[0].astype(dtype), mode="drop")
     rows = meta.kv_len.shape[0]
-    inputs = (qp, combined_pages(keys[0], values, dtype), meta.kv_len.astype(jnp.int32),
-              meta.table.astype(jnp.int32), cu, jnp.full((1,), rows, jnp.int32))
+    table = meta.table.astype(jnp.int32)
+    if values is None:
+        kv = keys[0]
+        if layer is not None:
+            kv, table = layer_pages(kv, table, layer)
+        kv = _loaded(kv, dtype)
+    else:
+        k = keys[0] if layer is None else keys[0][layer]
+        kv = combined_pages(k, values if layer is None else values[layer], dtype)
+    inputs = (qp, kv, meta.kv_len.astype(jnp.int32), table, cu, jnp.full((1,), rows, jnp.int32))
     return inputs, slot
 
 
@@ -175,21 +197,22 @@ def _heads_axis(mesh, hkv: int) -> str | None:
     return None
 
 
-def ragged_paged_attention(q, keys, values, positions, meta, *, scale: float, dtype):
+def ragged_paged_attention(q, keys, values, positions, meta, *, scale: float, dtype, layer=None):
     """:func:`models.paged.ragged_attention` on the Pallas kernel. Same arguments and result: q [1, N,
-    H, D]; keys ``(k,)``, values [P, ps, Hkv, D]; positions [1, N] -> [1, N, H, D] in q's dtype."""
+    H, D]; keys ``(kv,)`` [(n,) P, ps, 2Hkv, D] and values None, or keys ``(k,)`` and values [(n,) P,
+    ps, Hkv, D]; ``layer`` when the pages are stacked; positions [1, N] -> [1, N, H, D] in q's dtype."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
 
     why = unsupported(q, keys, values, dtype)
     if why is not None:
         raise ValueError(f"ragged_attention impl='pallas': {why}")
-    inputs, slot = kernel_inputs(q, keys, values, positions, meta, dtype)
+    inputs, slot = kernel_inputs(q, keys, values, positions, meta, dtype, layer)
     mesh = jax.sharding.get_abstract_mesh()
-    hkv, h, d = values.shape[2], q.shape[2], q.shape[3]
+    hkv, h, d = _kv_heads(keys, values), q.shape[2], q.shape[3]
     axis = None if mesh.empty else _heads_axis(mesh, hkv)
     shards = 1 if axis is None else mesh.shape[axis]
     min_q, min_c = rpa.get_min_heads_per_blk(h // shards, 2 * hkv // shards, dtype, dtype)
-    bkv, bq = block_sizes(dtype, min_q, min_c // 2, d, values.shape[1], q.shape[1], meta.table.shape[1])
+    bkv, bq = block_sizes(dtype, min_q, min_c // 2, d, inputs[1].shape[1], q.shape[1], meta.table.shape[1])
 
     def call(qp, kv, kv_lens, table, cu, num_seqs):
         return rpa.ragged_paged_attention(qp, kv, kv_lens, table, cu, num_seqs, sm_scale=scale,
@@ -204,10 +227,10 @@ def ragged_paged_attention(q, keys, values, positions, meta, *, scale: float, dt
     return unpack(out, slot, q)
 
 
-def reference_via_kernel_contract(q, keys, values, positions, meta, *, scale: float, dtype):
+def reference_via_kernel_contract(q, keys, values, positions, meta, *, scale: float, dtype, layer=None):
     """The same conversion run through the kernel's pure-JAX reference (``ref_ragged_paged_attention``,
     eager: it loops over sequences in Python). What the tests check the adapter with on CPU."""
     from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
 
-    inputs, slot = kernel_inputs(q, keys, values, positions, meta, dtype)
+    inputs, slot = kernel_inputs(q, keys, values, positions, meta, dtype, layer)
     return unpack(rpa.ref_ragged_paged_attention(*inputs, sm_scale=scale), slot, q)

@@ -100,7 +100,8 @@ class MoeTransformer(nnx.Module):
             graphdef, states = self._group(name, ids)
             x, (ck, cv), moe = run_layers(
                 graphdef, states, x, positions=positions, segment_ids=segment_ids, token_mask=token_mask,
-                cache_k=None if cache is None else cache.k[g], cache_v=None if cache is None else cache.v[g],
+                cache_k=None if cache is None else cache.k[g],
+                cache_v=cache.v[g] if cache is not None and cache.v else None,  # () for a combined pool
                 replay_ids=r_ids, replay_mask=None if replay is None else replay.mask, remat=cfg.remat,
                 scanned=cfg.scan_layers, min_loop=cfg.scan_min_layers, cache_meta=getattr(cache, "meta", None))
             new_k.append(ck), new_v.append(cv)
@@ -109,7 +110,7 @@ class MoeTransformer(nnx.Module):
                 routes, live_routes = jnp.moveaxis(ids_, 0, 2), jnp.moveaxis(live, 0, 2)
                 aux_loss = jnp.mean(aux)
         x = self.final_norm(x)
-        new_cache = None if cache is None else cache.replace(k=tuple(new_k), v=tuple(new_v))
+        new_cache = None if cache is None else cache.replace(k=tuple(new_k), v=tuple(new_v) if cache.v else ())
         if return_hidden:
             return ModelOutput(None, routes, live_routes, aux_loss, new_cache, expert_load, hidden=x)
         return ModelOutput(self.logits(x), routes, live_routes, aux_loss, new_cache, expert_load)

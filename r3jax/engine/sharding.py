@@ -149,9 +149,11 @@ class Placement:
 
     # ---- page pool -----------------------------------------------------------------------------
     def kv(self) -> jax.sharding.Sharding:
-        """The page pool's KV buffers [n, P, ps, Hc, Dc] (n layers of a run), by their logical axes
-        (:func:`models.cache.cache_layout`): kv heads along ``tensor``; the layer axis and the pages
-        are never split (every step may read any page). k and v differ only in Dc, never split."""
+        """The page pool's buffers [n, P, ps, Hc, Dc] (n layers of a run; :func:`models.paged.pool_shapes`),
+        by their logical axes (:func:`models.cache.cache_layout`): kv heads along ``tensor``; the layer
+        axis and the pages are never split (every step may read any page). A combined GQA pool holds 2 *
+        Hkv heads interleaved (k, v of head h side by side), so a split of Hkv whole heads keeps each
+        pair on one device; MLA's two latent pools differ only in Dc, never split."""
         logical = tuple(None if a == self._batch else a for a in self._cache.axes)
         shape = (1, 1, 1) + self._cache.k  # n, P, ps never split
         return self.sharding(*self._spec("KV cache", logical, shape))

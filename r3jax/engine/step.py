@@ -7,8 +7,8 @@ holds its prompt's last token) and stores it in ``last[slot]``, where the next s
 that request reads its input token. So the host never has to hand a sampled token back: it plans
 step n + 1 while step n runs and reads step n's outputs (tokens, logprobs, route rows) afterwards.
 
-Device state: the pool (``k``, ``v`` per layer group, :class:`models.paged.PagedCache`) and ``last``
-[B] int32, both donated to every step.
+Device state: the pool (``k``, ``v`` per layer group, :class:`models.paged.PagedCache`; ``v`` empty
+for a combined GQA pool) and ``last`` [B] int32, both donated to every step.
 """
 
 from __future__ import annotations

@@ -110,6 +110,65 @@ def test_combined_pages_interleave_k_and_v_by_head():
     np.testing.assert_array_equal(kv[:, :, 1::2], v)
 
 
+def _stacked_combined(k, v, layer, n=3):
+    """A stacked combined pool [n, P, ps, 2Hkv, D] holding k, v (interleaved) at ``layer``, other layers noise."""
+    other = jnp.asarray(np.random.default_rng(7).normal(size=(n, PAGES, PS, 2 * HKV, D)), jnp.float32)
+    return other.at[layer].set(ragged_tpu.combined_pages(k, v, jnp.float32))
+
+
+def test_a_combined_stacked_pool_is_read_in_place_by_either_kernel():
+    """The engine's GQA pool (models.paged): one [n, P, ps, 2Hkv, D] pool per layer group. The adapter
+    hands the kernel a reshape of it with the layer's page ids offset (no copy: the jaxpr of the kernel's
+    pages argument is one reshape), and both kernels read layer j's pages as separate k, v pools."""
+    q, k, v, pos, meta = _step(LAYOUT, DECODE, CHUNKS, seed=2)
+    pool, j = _stacked_combined(k, v, layer=1), jnp.int32(1)
+    want = paged.pages_reference(q, (k,), v, pos, meta, scale=SCALE)
+    unstacked = paged.pages_reference(q, (pool[1],), None, pos, meta, scale=SCALE)
+    np.testing.assert_allclose(unstacked, want, atol=1e-9)
+    xla = paged.ragged_attention(q, (pool,), None, pos, meta, scale=SCALE, dtype=jnp.float32, impl="xla", layer=j)
+    got = ragged_tpu.reference_via_kernel_contract(q, (pool,), None, pos, meta, scale=SCALE, dtype=jnp.float32,
+                                                   layer=j)
+    real = _real_tokens(LAYOUT, CHUNKS)
+    np.testing.assert_allclose(np.asarray(xla)[:, real], want[:, real], atol=2e-5)
+    np.testing.assert_allclose(np.asarray(got)[:, real], want[:, real], atol=2e-5)
+    (_, kv, _, table, _, _), _ = ragged_tpu.kernel_inputs(q, (pool,), None, pos, meta, jnp.float32, j)
+    assert kv.shape == (3 * PAGES, PS, 2 * HKV, D)
+    np.testing.assert_array_equal(table, np.asarray(meta.table) + PAGES)
+    pages_of = lambda p: ragged_tpu.kernel_inputs(q, (p,), None, pos, meta, jnp.float32, j)[0][1]
+    jaxpr = jax.make_jaxpr(pages_of)(pool).jaxpr
+    made = next(e for e in jaxpr.eqns if jaxpr.outvars[0] in e.outvars)
+    assert made.primitive.name == "reshape" and made.invars[0] is jaxpr.invars[0]
+
+
+def test_write_kv_interleaves_a_steps_keys_and_values_in_one_scatter():
+    _, _, _, _, meta = _step(LAYOUT, DECODE, CHUNKS, seed=3)
+    rng = np.random.default_rng(3)
+    n = LAYOUT.tokens
+    k, v = (jnp.asarray(rng.normal(size=(1, n, HKV, D)), jnp.float32) for _ in range(2))
+    pool = jnp.zeros((2, PAGES, PS, 2 * HKV, D), jnp.bfloat16)
+    out = paged.write_kv(pool, k, v, meta, jnp.bfloat16, layer=jnp.int32(1))
+    page, off = np.asarray(meta.page), np.asarray(meta.offset)
+    real = page > 0  # padding tokens go to the trash page 0
+    got = np.asarray(out[1, page[real], off[real]], np.float32)
+    np.testing.assert_array_equal(got[:, 0::2], np.asarray(k[0][real].astype(jnp.bfloat16), np.float32))
+    np.testing.assert_array_equal(got[:, 1::2], np.asarray(v[0][real].astype(jnp.bfloat16), np.float32))
+    assert not np.asarray(out[0], np.float32).any()  # other layers untouched
+    jaxpr = jax.make_jaxpr(lambda p: paged.write_kv(p, k, v, meta, jnp.bfloat16, jnp.int32(1)))(pool)
+    assert [e.primitive.name for e in jaxpr.eqns].count("scatter") == 1
+
+
+def test_the_engine_pool_is_combined_for_gqa_and_two_pools_for_mla():
+    from models import MoeConfig
+
+    cfg = MoeConfig.tiny()
+    k, v = paged.PagedCache.init_pool(cfg, 5, 4)
+    assert v == () and k[0].shape[-2:] == (2 * cfg.num_kv_heads, cfg.head_dim)
+    mla = MoeConfig.preset("deepseek_v3").replace(num_layers=2, first_dense_layers=1)
+    shapes = jax.eval_shape(lambda: paged.PagedCache.init_pool(mla, 5, 4))
+    assert [a.shape[-1] for a in shapes[0]] == [mla.kv_lora_rank] * 2
+    assert [a.shape[-1] for a in shapes[1]] == [mla.qk_rope_head_dim] * 2
+
+
 def test_dispatch_per_target_and_what_the_kernel_covers():
     q, k, v, _, _ = _step(LAYOUT, DECODE, CHUNKS)
     resolve = lambda impl, *a: paged._resolve(impl, *a)
@@ -170,15 +229,20 @@ def test_ragged_paged_attention_compiles_for_a_tpu_topology():
     rep = NamedSharding(mesh, P())
     heads = NamedSharding(mesh, P(None, None, "tensor"))
     sd = lambda shape, dt, sh=rep: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+    stacked = NamedSharding(mesh, P(None, None, None, "tensor"))
     args = (sd((1, n, h, d), jnp.bfloat16, NamedSharding(mesh, P(None, None, "tensor"))),
-            sd((pages, ps, hkv, d), jnp.bfloat16, heads), sd((pages, ps, hkv, d), jnp.bfloat16, heads),
+            sd((2, pages, ps, 2 * hkv, d), jnp.bfloat16, stacked),  # the engine's pool: 2 layers, combined
             sd((1, n), jnp.int32), sd((r, lay.pages_per_row), jnp.int32), sd((r,), jnp.int32))
 
-    def attend(q, k, v, pos, table, kv_len):
+    def attend(q, kv, pos, table, kv_len):
         meta = PagedMeta(table, jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.int32), kv_len, lay)
-        return paged.ragged_attention(q, (k,), v, pos, meta, scale=d ** -0.5, dtype=jnp.bfloat16, impl="auto")
+        return paged.ragged_attention(q, (kv,), None, pos, meta, scale=d ** -0.5, dtype=jnp.bfloat16, impl="auto",
+                                      layer=jnp.int32(1))
 
     with jax.set_mesh(mesh):  # the topology's devices answer the kernel's lowering (no patching of JAX)
         compiled = jax.jit(attend).lower(*args).compile()
     text = compiled.as_text()
     assert "tpu_custom_call" in text and "ragged_paged_attention" in text  # "auto" chose the Pallas kernel
+    # the pool reaches the kernel as it is stored: no copy of it (1 MiB per layer here) in the program
+    pool_bytes = 2 * pages * ps * 2 * hkv * d * 2 // 2  # per chip: heads split over tensor = 2
+    assert compiled.cost_analysis()["bytes accessed"] < pool_bytes

@@ -29,11 +29,13 @@ def test_parameters_and_slots_are_split_over_the_mesh(sharded):
     assert spec(params["dense_layers"]["attn"]["q_proj"][...]) == (None, None, "tensor")  # heads
     assert spec(params["dense_layers"]["attn"]["o_proj"][...]) == (None, "tensor", None)
     assert spec(params["dense_layers"]["mlp"]["gate_proj"][...]) == (None, None, "tensor")  # [1, D, I]
-    # the pool [n, pages, page_size, kv heads, head_dim]: kv heads over tensor, pages whole (every
-    # data shard sees every page: the pool is replicated over data, docs/scaling.md)
+    # the combined pool [n, pages, page_size, 2 * kv heads, head_dim]: kv heads over tensor (a shard
+    # holds the key and the value of its one head), pages whole (every data shard sees every page: the
+    # pool is replicated over data, docs/scaling.md)
     k = sharded._k[1]
+    assert sharded._v == ()
     assert spec(k) in ((None, None, None, "tensor", None), (None, None, None, "tensor"))
-    assert k.addressable_shards[0].data.shape == (2, sharded.num_pages, 8, 1, 16)  # of [.., 2, 16]
+    assert k.addressable_shards[0].data.shape == (2, sharded.num_pages, 8, 2, 16)  # of [.., 4, 16]
 
 
 def test_sharded_engine_equals_one_device(engine, sharded):

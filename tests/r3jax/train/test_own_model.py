@@ -80,11 +80,11 @@ class OwnMoe(nnx.Module):
                 allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
             scores = jnp.where(allowed, q @ jnp.swapaxes(k, 1, 2) / np.sqrt(c.hidden_size), -1e30)
             h, new_cache = x + jax.nn.softmax(scores, -1) @ v @ self.wo[...], None
-        else:  # the engine's page pool (models.paged), one group of one layer: k[0] [1, P, ps, 1, D]
-            pk = paged.write(cache.k[0][0], k[:, :, None], cache.meta, jnp.float32)
-            pv = paged.write(cache.v[0][0], v[:, :, None], cache.meta, jnp.float32)
-            new_cache = paged.PagedCache(k=(pk[None],), v=(pv[None],), meta=cache.meta)
-            att = paged.ragged_attention(q[:, :, None], (pk,), pv, positions, cache.meta,
+        else:  # the engine's page pool (models.paged), one group of one layer: k[0] [1, P, ps, 2, D]
+            assert cache.v == ()  # one kv head: keys and values interleaved in one combined pool
+            pk = paged.write_kv(cache.k[0][0], k[:, :, None], v[:, :, None], cache.meta, jnp.float32)
+            new_cache = paged.PagedCache(k=(pk[None],), v=(), meta=cache.meta)
+            att = paged.ragged_attention(q[:, :, None], (pk,), None, positions, cache.meta,
                                          scale=c.hidden_size ** -0.5, dtype=jnp.float32)  # [1, N, 1, D]
             h = x + att[:, :, 0] @ self.wo[...]
 
