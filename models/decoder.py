@@ -48,11 +48,13 @@ def apply_layer(graphdef, state, x, positions, segment_ids, kv, replay_ids, repl
     for an MoE layer and None for a dense one.
     """
     layer = nnx.merge(graphdef, state)
+    # a paged step's padding tokens (written to the trash page) need no expert work: nothing reads them
+    real = None if kv is None or isinstance(kv, tuple) else kv.meta.real[None]
     h, kv = layer.attn(layer.input_norm(x), positions, segment_ids, kv)
     x = x + h
     h = layer.post_attn_norm(x)
     if layer.is_moe:
-        h, ids, live, aux, load = layer.mlp(h, replay_ids, replay_mask, token_mask, positions, index)
+        h, ids, live, aux, load = layer.mlp(h, replay_ids, replay_mask, token_mask, positions, index, real=real)
         return x + h, kv, (ids, live, aux, load)
     return x + layer.mlp(h), kv, None
 

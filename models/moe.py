@@ -140,10 +140,14 @@ class MoeBlock(nnx.Module):
         if cfg.num_shared_experts:
             self.shared = DenseMLP(cfg, intermediate_size=cfg.num_shared_experts * i, rngs=rngs)
 
-    def __call__(self, x, replay_ids=None, replay_mask=None, token_mask=None, positions=None, layer=0):
+    def __call__(self, x, replay_ids=None, replay_mask=None, token_mask=None, positions=None, layer=0, *, real=None):
         """x [B, T, D]; replay_ids [B, T, K] int or None; replay_mask, token_mask [B, T] bool;
         positions [B, T] int (default: 0 .. T-1 per row) and layer (this block's MoE layer index) seed
-        the selection noise of ``cfg.router_noise > 0`` (models/routers.py), unused otherwise.
+        the selection noise of ``cfg.router_noise > 0`` (models/routers.py), unused otherwise. real
+        [B, T] bool or None: False marks padding whose output nobody reads (the engine's paged steps,
+        :attr:`models.paged.PagedMeta.real`); the expert kernels skip it (its routed experts' output is
+        0; its ids, routes and the router are unchanged). Not token_mask: a trainer's masked tokens
+        (e.g. uncaptured ones) are still real.
 
         Returns ``(y [B, T, D], ids [B, T, K] int32, live_ids [B, T, K] int32, aux_loss scalar,
         load [E] f32)``: load counts the used experts over tokens where token_mask (and, under
@@ -163,8 +167,10 @@ class MoeBlock(nnx.Module):
         ids, weights, live = r.ids, r.gates, r.live_ids
         kernel = {"ragged": experts_ragged, "dense": experts_dense, "loop": experts_loop,
                   "gather": experts_gather}[cfg.moe_impl]
+        # the out-of-range id E: every kernel skips it (models/expert_parallel.py relies on the same)
+        run_ids = ids if real is None else jnp.where(real.reshape(b * t, 1), ids, cfg.num_experts)
         # expert-parallel under a trainer mesh in context (models/expert_parallel.py), else direct
-        y = expert_parallel.experts(kernel, xf, ids, weights.astype(dt), self.gate_proj[...].astype(dt),
+        y = expert_parallel.experts(kernel, xf, run_ids, weights.astype(dt), self.gate_proj[...].astype(dt),
                                     self.up_proj[...].astype(dt), self.down_proj[...].astype(dt),
                                     exchange_tokens=cfg.moe_exchange_tokens)
         if cfg.num_shared_experts:

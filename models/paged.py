@@ -86,6 +86,13 @@ class PagedMeta:
     kv_len: jax.Array
     layout: RaggedLayout = struct.field(pytree_node=False)
 
+    @property
+    def real(self) -> jax.Array:
+        """[N] bool: the step's real tokens. Padding (of a prefill row, or a decode row with no
+        request) writes to the trash page 0 and nothing reads its outputs, so the model may skip its
+        work (the MoE kernels do: :class:`models.moe.MoeBlock`)."""
+        return self.page > 0
+
 
 @struct.dataclass
 class PagedCache:

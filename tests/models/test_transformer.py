@@ -118,6 +118,24 @@ def test_dense_and_ragged_kernels_agree(setup, impl):
                                _fwd(model)(tokens, positions, rep).logits, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("impl", ["ragged", "dense", "loop", "gather"])
+def test_padding_marked_not_real_gets_no_expert_work(impl):
+    """MoeBlock(real=...): a token marked not real (a paged step's padding) gets 0 from its routed
+    experts, the others exactly what they get without the mask, and every token keeps its routes."""
+    from models.moe import MoeBlock
+
+    cfg = MoeConfig.tiny(moe_impl=impl)
+    block = MoeBlock(cfg, rngs=nnx.Rngs(3))
+    x = jax.random.normal(jax.random.key(4), (1, 10, cfg.hidden_size), jnp.float32)
+    real = jnp.asarray([[True] * 6 + [False] * 4])
+    y0, ids0, live0, _, _ = block(x)
+    y, ids, live, _, _ = block(x, real=real)
+    np.testing.assert_array_equal(ids, ids0)
+    np.testing.assert_array_equal(live, live0)
+    np.testing.assert_allclose(y[0, :6], y0[0, :6], atol=1e-6, rtol=0)
+    assert float(jnp.abs(y0[0, 6:]).min()) > 0 and not np.asarray(y[0, 6:]).any()
+
+
 def test_aux_loss_ignores_masked_positions(setup):
     cfg, _, fwd, tokens, positions, _ = setup
     token_mask = np.ones((B, T), bool)
