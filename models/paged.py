@@ -174,12 +174,6 @@ def write_kv(pages, k, v, meta: PagedMeta, dtype, layer=None):
     return write(pages, kv.reshape(*k.shape[:2], 2 * k.shape[2], k.shape[3]), meta, dtype, layer)
 
 
-def split_kv(x):
-    """A combined pool's gathered pages [..., 2 * Hkv, D] -> (keys, values) [..., Hkv, D] each."""
-    x = x.reshape(*x.shape[:-2], x.shape[-2] // 2, 2, x.shape[-1])
-    return x[..., 0, :], x[..., 1, :]
-
-
 def ragged_attention(q, keys, values, positions, meta: PagedMeta, *, scale: float, dtype, impl: str = "auto",
                      layer=None):
     """Attention of a step's queries over their rows' pages (the module docstring has the layout).
@@ -256,7 +250,7 @@ def _paged_rows(q, keys, values, q_pos, table, kv_len, *, block_pages: int, scal
     q [R, T, H, Dq]; q_pos [R, T]; table [R, Pmax]; kv_len [R]. Key block i covers the row's pages
     ``[i * block_pages, (i + 1) * block_pages)``; the loop runs ``ceil(max(kv_len) / block)`` times.
     Returns [R, T, H, Dv] in q's dtype. ``layer``: the pages are stacked [n, P, ...]; read layer ``layer``.
-    ``values`` None: ``keys`` is ``(kv,)``, a combined pool (:func:`split_kv` after each gather)."""
+    ``values`` None: ``keys`` is ``(kv,)``, a combined pool (keys and values gathered from it apart)."""
     r, t, h, dq = q.shape
     combined = values is None
     like = keys[0] if combined else values
@@ -267,15 +261,19 @@ def _paged_rows(q, keys, values, q_pos, table, kv_len, *, block_pages: int, scal
     qg = q.reshape(r, t, hkv, g, dq).astype(dtype)
     n_blocks = (jnp.max(kv_len) + block - 1) // block
 
-    def gather(pages, cols):  # pages [P, ps, Hkv, d] (or [n, P, ...] at layer) -> [R, block, Hkv, d]
-        x = pages[cols] if layer is None else pages[layer, cols]  # [R, block_pages, ps, Hkv, d]
+    def gather(pages, cols, half=None):  # pages [P, ps, Hkv, d] (or [n, P, ...] at layer) -> [R, block, Hkv, d]
+        if half is not None:  # a combined pool viewed [.., Hkv, 2, d]: k (0) or v (1) picked in the gather
+            pages = pages.reshape(*pages.shape[:-2], hkv, 2, pages.shape[-1])
+            x = pages[cols, :, :, half] if layer is None else pages[layer, cols, :, :, half]
+        else:
+            x = pages[cols] if layer is None else pages[layer, cols]  # [R, block_pages, ps, Hkv, d]
         return _loaded(x.reshape(r, block, *x.shape[3:]), dtype)
 
     def body(i, carry):
         m, l, acc = carry
         cols = jax.lax.dynamic_slice_in_dim(table, i * block_pages, block_pages, axis=1)
-        if combined:
-            k, v = split_kv(gather(keys[0], cols))
+        if combined:  # two gathers that each pick their half: slicing one gathered block copies it (CPU)
+            k, v = gather(keys[0], cols, 0), gather(keys[0], cols, 1)
         else:
             k = jnp.concatenate([gather(kp, cols) for kp in keys], axis=-1) if len(keys) > 1 else gather(keys[0], cols)
             v = gather(values, cols)
