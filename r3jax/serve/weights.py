@@ -2,7 +2,7 @@
 for ``POST /v1/weights``.
 
 ``--model`` accepts a preset name (``tiny``, ``small_100m``; random init from ``--seed``), a Hugging
-Face directory (``config.json`` + ``*.safetensors``, read by ``models.hf.load_pretrained``) or an orbax
+Face directory (``config.json`` + ``*.safetensors``, read by ``models.hf.read_pretrained``) or an orbax
 params directory written by ``r3jax.params_io.export_params`` (also ``r3jax.train.export_params``).
 An orbax params directory holds no config: it is taken from ``--config`` (a preset name or a Hugging
 Face directory), else from a ``config.json`` (Hugging Face form, ``models.hf.config_to_hf``) inside
@@ -44,32 +44,40 @@ def resolve_config(spec: str, *, dtype=None):
 
 
 def build_model(spec: str, *, config: str | None = None, seed: int = 0, dtype=None):
-    """The served ``MoeTransformer`` for ``--model spec`` (see the module docstring)."""
+    """The served ``MoeTransformer`` for ``--model spec`` (see the module docstring), its state held in
+    host numpy arrays: nothing of it is on an accelerator. The engine then places each array by its
+    sharding (:meth:`r3jax.engine.sharding.Placement.params`: each device receives only its own
+    shards), so no device ever holds the whole model, however large, and the only device copy is the
+    engine's. A checkpoint's tensors are read straight into host arrays; a preset's random init runs
+    on the host's CPU device and is copied out."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
     from models import MoeTransformer
-    from models.hf import load_pretrained
+    from models.hf import read_pretrained
     from r3jax.params_io import read_weights
 
     path = Path(spec)
     if not path.exists():
-        return MoeTransformer(resolve_config(spec, dtype=dtype), rngs=nnx.Rngs(seed))
+        cfg = resolve_config(spec, dtype=dtype)
+        with jax.default_device(jax.devices("cpu")[0]):  # on a TPU/GPU host too: the host's own memory
+            graphdef, state = nnx.split(MoeTransformer(cfg, rngs=nnx.Rngs(seed)))
+            state = jax.tree.map(np.array, state)  # own host copies; the CPU buffers are freed
+        return nnx.merge(graphdef, state)
     if not path.is_dir():
         raise ValueError(f"--model {spec!r}: expected a preset name, a Hugging Face directory or an "
                          "orbax params directory")
     if is_hf_dir(path):
-        return load_pretrained(path, dtype=dtype, param_dtype=dtype)[1]
+        _, graphdef, state = read_pretrained(path, dtype=dtype, param_dtype=dtype)
+        return nnx.merge(graphdef, state)
     if config is None and not (path / "config.json").is_file():
         raise ValueError(f"--model {spec!r} is an orbax params directory without config.json: pass "
                          "--config PRESET|HF_DIR so the model's shapes are known")
     cfg = resolve_config(config if config is not None else str(path), dtype=dtype)
     graphdef, weights, rest = abstract_model(cfg)
-    weights = jax.tree.map(jnp.asarray, read_weights(path, weights))  # one device copy per array
-    rest = jax.tree.map(lambda s: jnp.asarray(np.zeros(s.shape, s.dtype)), rest)  # not in params files
-    return nnx.merge(graphdef, weights, rest)
+    rest = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), rest)  # not in params files
+    return nnx.merge(graphdef, read_weights(path, weights), rest)
 
 
 def abstract_model(cfg):

@@ -224,3 +224,42 @@ def test_data_parallel_flags_build_engine_cores():
             {"data": 2, "tensor": 2, "expert": 1, "devices": 4, "engine_cores": 2}
     finally:
         eng.close()
+
+
+def test_a_checkpoint_loads_into_its_shards_never_whole_on_one_device(tmp_path, monkeypatch):
+    """``--model HF_DIR`` on the (1, 2, 4) mesh: the model build_model reads is host arrays, so when the
+    engine places the weights no device holds any of them; afterwards device 0 holds only its own
+    shards (a fraction of the model) and every weight equals the checkpoint's."""
+    from models.hf import save_pretrained
+    from r3jax.engine.sharding import Placement
+    from r3jax.serve.server import build_engine
+
+    model = MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(3))
+    save_pretrained(model, tmp_path / "hf")
+    want = [np.asarray(a) for a in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    del model
+    d0 = jax.devices()[0]
+    on_d0 = lambda arrays: sum(s.data.nbytes for a in arrays for s in a.addressable_shards if s.device == d0)
+    old = jax.live_arrays()  # held, so no new array can take one of their ids
+    new_on_d0 = lambda: on_d0(a for a in jax.live_arrays() if id(a) not in {id(b) for b in old})
+    seen, real = [], Placement.params
+
+    def spy(self, tree, like=None):  # what the engine is given to place, and device 0 at that moment
+        seen.append(({type(x) for x in jax.tree.leaves(tree)}, new_on_d0()))
+        return real(self, tree, like)
+
+    monkeypatch.setattr(Placement, "params", spy)
+    args = parse_args(["--model", str(tmp_path / "hf"), *EP_FLAGS, "--max-seq-len", "64", "--max-batch-size", "4"],
+                      devices=jax.devices())
+    eng = build_engine(args)  # built, not warmed up: nothing compiles
+    try:
+        (kinds, grown), = seen
+        assert kinds == {np.ndarray} and grown == 0, seen
+        got = jax.tree.leaves(eng._params)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), w)
+        total = sum(w.nbytes for w in want)
+        assert on_d0(got) < 0.5 * total, (on_d0(got), total)  # experts over expert = 4, heads over tensor = 2
+    finally:
+        eng.close()
