@@ -260,6 +260,9 @@ def _paged_rows(q, keys, values, q_pos, table, kv_len, *, block_pages: int, scal
     block = block_pages * ps
     qg = q.reshape(r, t, hkv, g, dq).astype(dtype)
     n_blocks = (jnp.max(kv_len) + block - 1) // block
+    # a combined pool's keys and values, on CPU: picked inside the gather (slicing a gathered block copies
+    # it); elsewhere: sliced from one gathered block (the index form re-tiles the pool on TPU every step)
+    pick_in_gather = combined and _target_platform() == "cpu"
 
     def gather(pages, cols, half=None):  # pages [P, ps, Hkv, d] (or [n, P, ...] at layer) -> [R, block, Hkv, d]
         if half is not None:  # a combined pool viewed [.., Hkv, 2, d]: k (0) or v (1) picked in the gather
@@ -272,8 +275,11 @@ def _paged_rows(q, keys, values, q_pos, table, kv_len, *, block_pages: int, scal
     def body(i, carry):
         m, l, acc = carry
         cols = jax.lax.dynamic_slice_in_dim(table, i * block_pages, block_pages, axis=1)
-        if combined:  # two gathers that each pick their half: slicing one gathered block copies it (CPU)
+        if combined and pick_in_gather:  # two gathers that each pick their half: slicing one gathered block copies it
             k, v = gather(keys[0], cols, 0), gather(keys[0], cols, 1)
+        elif combined:  # one gather, then the halves: an index inside the gather re-tiles the whole pool on TPU
+            both = gather(keys[0], cols).reshape(r, block, hkv, 2, dv)
+            k, v = both[..., 0, :], both[..., 1, :]
         else:
             k = jnp.concatenate([gather(kp, cols) for kp in keys], axis=-1) if len(keys) > 1 else gather(keys[0], cols)
             v = gather(values, cols)

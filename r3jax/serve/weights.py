@@ -61,7 +61,7 @@ def build_model(spec: str, *, config: str | None = None, seed: int = 0, dtype=No
     path = Path(spec)
     if not path.exists():
         cfg = resolve_config(spec, dtype=dtype)
-        with jax.default_device(jax.devices("cpu")[0]):  # on a TPU/GPU host too: the host's own memory
+        with jax.default_device(_host_device()):
             graphdef, state = nnx.split(MoeTransformer(cfg, rngs=nnx.Rngs(seed)))
             state = jax.tree.map(np.array, state)  # own host copies; the CPU buffers are freed
         return nnx.merge(graphdef, state)
@@ -78,6 +78,18 @@ def build_model(spec: str, *, config: str | None = None, seed: int = 0, dtype=No
     graphdef, weights, rest = abstract_model(cfg)
     rest = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), rest)  # not in params files
     return nnx.merge(graphdef, read_weights(path, weights), rest)
+
+
+def _host_device():
+    """Where a preset's random init runs: the host's CPU device (on a TPU or GPU host too: host memory),
+    or the default device where ``JAX_PLATFORMS`` leaves the CPU backend out (a preset built to be
+    served is small)."""
+    import jax
+
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:  # "Unknown backend cpu": no CPU platform in this process
+        return jax.devices()[0]
 
 
 def abstract_model(cfg):

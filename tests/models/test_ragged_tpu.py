@@ -246,3 +246,21 @@ def test_ragged_paged_attention_compiles_for_a_tpu_topology():
     # the pool reaches the kernel as it is stored: no copy of it (1 MiB per layer here) in the program
     pool_bytes = 2 * pages * ps * 2 * hkv * d * 2 // 2  # per chip: heads split over tensor = 2
     assert compiled.cost_analysis()["bytes accessed"] < pool_bytes
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])
+def test_the_xla_kernel_reads_a_combined_pool_in_either_gather_form(platform, monkeypatch):
+    """The XLA kernel takes a combined pool's keys and values by an index inside its gather on CPU (slicing a
+    gathered block copies it there) and by slicing one gathered block elsewhere (the index form makes the
+    TPU compiler re-tile the whole pool every step): both give the reference's values."""
+    monkeypatch.setattr(paged, "_target_platform", lambda: platform)
+    q, k, v, pos, meta = _step(LAYOUT, DECODE, CHUNKS, seed=3)
+    pool, j = _stacked_combined(k, v, layer=1), jnp.int32(1)
+    want = paged.pages_reference(q, (k,), v, pos, meta, scale=SCALE)
+    got = paged.ragged_attention(q, (pool,), None, pos, meta, scale=SCALE, dtype=jnp.float32, impl="xla", layer=j)
+    real = _real_tokens(LAYOUT, CHUNKS)
+    np.testing.assert_allclose(np.asarray(got)[:, real], want[:, real], atol=2e-5)
+    picked = jax.make_jaxpr(lambda p: paged.ragged_attention(q, (p,), None, pos, meta, scale=SCALE, dtype=jnp.float32,
+                                                             impl="xla", layer=j))(pool)
+    # the decode rows and the prefill rows each run the row kernel: 2 gathers of the pool each, or 1
+    assert str(picked).count(" gather[") == (4 if platform == "cpu" else 2)

@@ -446,6 +446,29 @@ def test_model_flag_loads_presets_hf_and_orbax_directories(model, tmp_path):
         build_model("nope")
 
 
+def test_a_preset_builds_where_the_cpu_backend_is_left_out(monkeypatch):
+    """``--model tiny`` in a process whose ``JAX_PLATFORMS`` has no ``cpu`` (``jax.devices("cpu")`` raises
+    there): the random init runs on the default device instead, and the state still comes back as host
+    arrays equal to the usual init's."""
+    import jax
+
+    from r3jax.serve.weights import build_model
+
+    real = jax.devices
+
+    def no_cpu(backend=None):
+        if backend == "cpu":
+            raise RuntimeError("Unknown backend cpu requested, but no platforms that are instances of cpu are present")
+        return real(backend)
+
+    want = jax.tree.leaves(nnx.state(build_model("tiny", seed=1)))
+    monkeypatch.setattr(jax, "devices", no_cpu)
+    got = jax.tree.leaves(nnx.state(build_model("tiny", seed=1)))
+    assert {type(x) for x in got} == {np.ndarray} and len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_cli_arguments_are_checked(capsys):
     from r3jax.serve.server import parse_args
 
