@@ -122,12 +122,14 @@ SECTIONS = [
             "only where it is 1. Each side is sized for its batch (our engine: `max_batch_size` = B) and ours runs "
             "its default kernel (gather on CPU); our models run with unrolled layers on CPU, and the engine decodes "
             "8 steps per device call (`decode_steps`). Against the goals (≥ 1.5× HF at B = 8 and 32, ≥ 2× Tunix "
-            "at B = 8) on this CPU, in this run: tiny reaches the HF goal at B = 8 and 32 (3.97× and 1.63×; 1.18× "
-            "at B = 64), and so does the peer config (2.49× and 1.61×; 0.90× at B = 64), but the peer config is "
-            "1.33× Tunix at B = 8 (2.9× at B = 1); small_100m is 1.82× HF at B = 8 and 1.13× at B = 32. Each figure "
+            "at B = 8) on this CPU, in this run: the peer config is 2.11× HF at B = 8 and 1.24× at B = 32 (0.82× at "
+            "B = 64) and 1.45× Tunix at B = 8 (3.05× at B = 1); tiny 3.4× and 1.14× (1.14× at B = 64); small_100m "
+            "0.75× and 1.16×. The run before it, of the same CPU code (experiments/results/bench_decode.json at "
+            "commit 6cb5eae), gave the peer config 2.49× and 1.61× (1.33× Tunix), tiny 3.97× and 1.63×, small_100m "
+            "1.82× and 1.13×: the goals at B = 32 hold in one run and not the other. Each figure "
             "is the best of 2 runs (HF, `--quick`: 1), and on this loaded 2-core machine a side's tokens/s moves "
-            "by up to 1.7× between runs (capture on ÷ off, programs that differ only by the route writes, "
-            "spans 0.89–1.19 here). An engine of fewer than 12 requests "
+            "by up to 2.6× between runs (ours on small_100m at B = 8: 314 and 123 tokens/s in those two runs; capture on ÷ off, programs that differ only by the route writes, "
+            "spans 0.93–1.05 here). An engine of fewer than 12 requests "
             "prefills 4 prompts a step (`Engine.prefill_rows_for`), so B = 8 takes two prefill steps. "
             "[Where a decode step's time goes](#where-a-decode-steps-time-goes) breaks a call down.", bench_decode),
     Section("serve_start", "Server start, cold and on restart", "python -m experiments.serve_start",
@@ -151,8 +153,8 @@ SECTIONS = [
             "that decode (a call runs a decode loop of up to 8 steps, or one mixed step); `mean_live_slots`: tokens "
             "decoded per such call (rows × steps). In this run the mixed agents' goal is missed: they (8 turns "
             "each, mostly 8 tokens a turn) finish after the long sessions (3 turns of 96 tokens: mixed ÷ long "
-            "1.04, goal ≤ 0.5), and the long sessions take 6.3× as long in the mix as alone, past their goal "
-            "(≤ 2); alone they take 0.21 s, so that ratio moves a lot from run to run, and "
+            "1.12, goal ≤ 0.5), and the long sessions take 6.2× as long in the mix as alone, past their goal "
+            "(≤ 2); alone they take 0.16 s, so that ratio moves a lot from run to run, and "
             "the mix's does too (each is one run of a workload of about two seconds).",
             bench_engine),
     Section("bench_paged", "The paged engine (beside the fixed-slot engine it replaced)", "python -m experiments.bench_paged",
@@ -164,8 +166,8 @@ SECTIONS = [
             "samples sharing its prefill. `--quick` runs on a loaded 2-core machine: read the ratios, not the "
             "seconds. In this run the warm-up (cold and restart; 4 programs: an engine of fewer than 12 "
             "requests has no 16-row prefill step), 8 samples of one prompt feeding it about once and a short "
-            "request not waiting for a long prefill hold their goals; the mix's short ÷ long is 0.60 (goal ≤ "
-            "0.5), and long requests take 3.0× as long in the mix as alone (goal ≤ 2). A step takes up to 4 "
+            "request not waiting for a long prefill hold their goals; the mix's short ÷ long is 0.59 (goal ≤ "
+            "0.5), and long requests take 3.1× as long in the mix as alone (goal ≤ 2). A step takes up to 4 "
             "prompt chunks beside the decode rows, more only when that many prompts wait. After a step with "
             "prefill rows the decode rows run a decode loop of 8 tokens while waiting prompts wait that one "
             "call; when every step carried the waiting prompts, decoding ran one token per call and the mix "
@@ -178,8 +180,8 @@ SECTIONS = [
             "program timed alone (`device_ms`), so a call of the loop takes up to 8 × `device_ms` "
             "(`host_over_device` divides the host's work per call by one step). small_100m twice: its "
             "preset's scanned layers and the same model with `scan_layers=False`. In this run the host's "
-            "work per call is 0.8–2.1 ms for tiny against calls of 4–11 ms, and at most 5.7 ms against "
-            "114–644 ms for small_100m, whose scanned layout costs 2.0–2.9× the unrolled one per step "
+            "work per call is 0.7–1.5 ms for tiny against calls of 4–9 ms, and at most 3.1 ms against "
+            "81–465 ms for small_100m, whose scanned layout costs 1.5–3.4× the unrolled one per step "
             "(`device_ms`). B prompts submitted at once are prefilled up to 16 a step, so B = 32 and 64 take "
             "7 and 11 calls.",
             bench_step),
@@ -200,11 +202,7 @@ SECTIONS = [
             "engine stores GQA keys and values in the kernel's combined layout; MLA's latent cache runs `xla`), "
             "`xla` our gather-over-pages loop (its loop over key blocks counted once: a lower bound). In this run the "
             "kernel path holds its goal (≤ 1.3) for olmoe and mixtral (1.04, 1.14), not for qwen3 (3.14; a "
-            "quarter of its bytes re-lay out the expert weights before the loop: their per-chip I = 192 tiles badly); the `xla` "
-            "figures of olmoe and qwen3 (3.31, 3.76) include a copy of the whole pool on every decode step: the "
-            "XLA kernel takes keys or values out of the combined pool by an index inside its gather, which costs "
-            "nothing on CPU but on TPU first re-tiles the pool (two 512 MiB copies per step for olmoe, seen in the "
-            "compiled HLO).", decode_bytes),
+            "quarter of its bytes re-lay out the expert weights before the loop: their per-chip I = 192 tiles badly).", decode_bytes),
     Section("bench_trace", "Routes, trace, batches", "python -m experiments.bench_trace",
             "Append + finalize of a `RoutedExpertTrace` (Qwen3-30B-A3B route shape) against re-concatenating the "
             "whole prefix every turn; bytes per route row in each wire form; padded against packed batches.",
