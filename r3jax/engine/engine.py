@@ -151,6 +151,7 @@ class Engine:
         self.route_dtype = route_dtype(cfg.num_experts)
         self.weight_version = 0
         self.placement = Placement(mesh, cfg, allow_replication=allow_replication)
+        self.placement.kv()  # a mesh that would replicate the pool fails here, before any weight is placed
 
         route_row = cfg.num_moe_layers * cfg.top_k * self.route_dtype.itemsize
         self.page_bytes = block_size * (cache_bytes_per_token(cfg) + route_row)

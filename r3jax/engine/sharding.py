@@ -9,7 +9,8 @@ The rules are the serving role of the one logical-axis table (:mod:`models.axes`
   router replicated;
 - the page pool's kv heads along ``tensor`` (its pages whole: any step may read any page), as the
   cache declares them through its logical axes (:func:`models.cache.cache_layout`), so the engine has
-  no per-model case;
+  no per-model case; a mesh axis its rows ask for (data; tensor too for MLA's latent pool) would
+  replicate the whole pool (:meth:`Placement.kv`);
 - the leading layer axis of stacked (scanned) layers and of the KV cache is never sharded.
 
 An axis the mesh lacks counts as size 1. A mesh axis that cannot split the dim it is meant for (2 kv
@@ -151,12 +152,37 @@ class Placement:
     def kv(self) -> jax.sharding.Sharding:
         """The page pool's buffers [n, P, ps, Hc, Dc] (n layers of a run; :func:`models.paged.pool_shapes`),
         by their logical axes (:func:`models.cache.cache_layout`): kv heads along ``tensor``; the layer
-        axis and the pages are never split (every step may read any page). A combined GQA pool holds 2 *
-        Hkv heads interleaved (k, v of head h side by side), so a split of Hkv whole heads keeps each
-        pair on one device; MLA's two latent pools differ only in Dc, never split."""
+        axis never split. A combined GQA pool holds 2 * Hkv heads interleaved (k, v of head h side by
+        side), so a split of Hkv whole heads keeps each pair on one device; MLA's two latent pools
+        differ only in Dc.
+
+        The pages dim has the rows' logical axis (``batch``: data; MLA's ``attn_batch``: data and
+        tensor), but one engine never splits it: any step may read any page. So a mesh axis the rows
+        ask for (data > 1; tensor > 1 for a latent pool, which has no head axis to split) would leave
+        the whole pool on every device along it: :class:`models.axes.ReplicationError` naming the
+        axis and the multiplier, or one warning with ``allow_replication``. Data
+        parallelism is :class:`r3jax.engine.group.EngineGroup`'s: one engine, and one pool, per
+        data shard."""
+        table = axes.rules("serve")
         logical = tuple(None if a == self._batch else a for a in self._cache.axes)
         shape = (1, 1, 1) + self._cache.k  # n, P, ps never split
-        return self.sharding(*self._spec("KV cache", logical, shape))
+        spec = self._spec("KV cache", logical, shape)
+        used = {m for entry in spec if entry for m in ((entry,) if isinstance(entry, str) else entry)}
+        rows = [m for m in table[self._batch] if self.size(m) > 1 and m not in used]
+        if rows:
+            mult = math.prod(self.size(m) for m in rows)
+            what = "MLA latent page pool" if self._batch == "attn_batch" else "page pool"
+            sizes = ", ".join(f"{m}={self.size(m)}" for m in rows)
+            msg = (f"KV cache: the {what} (logical axes {self._cache.axes}) is whole on every device of one "
+                   f"engine (any step may read any page), so {sizes} would replicate it {mult}x")
+            if not self.allow_replication:
+                raise axes.ReplicationError(
+                    "KV cache", dict(self._sizes), f"{' and '.join(rows)} of size 1 in one engine",
+                    f"{msg}: expected {' and '.join(m + '=1' for m in rows)} (data parallelism: "
+                    "EngineGroup(data=D), the server's --data-parallel-size, one pool per engine core), "
+                    "or allow_replication=True to accept the replication")
+            self._warn([msg])
+        return self.sharding(*spec)
 
     def describe(self) -> dict[str, Any]:
         if self.mesh is None:

@@ -31,7 +31,10 @@ parallelism does (its EP size is ``D x T``): the mesh becomes ``(1, T, D)``, exp
 sizes must multiply to at most the local device count (the first ones are used). Default: every
 local device along ``data`` on an accelerator (one core per device), one device on CPU. ``/v1/stats``
 reports the mesh (``"mesh": {"data", "tensor", "expert", "devices", "engine_cores",
-"expert_parallel"}``) and, with several cores, each core's counters (``engine.cores``).
+"expert_parallel"}``) and, with several cores, each core's counters (``engine.cores``). A mesh that
+would hold an array whole on several devices (kv heads that ``tensor`` does not divide; an MLA latent
+page pool, which has no head axis, with ``tensor`` > 1) is refused at start naming the array and the
+multiplier, unless ``--allow-replication`` (one warning).
 
 SIGTERM / SIGINT: uvicorn stops accepting connections, lets in-flight requests finish (up to
 ``--graceful-timeout`` seconds), then the app refuses anything still queued with 503 (clients retry
@@ -101,6 +104,10 @@ def parse_args(argv: list[str], devices=None) -> argparse.Namespace:
     par.add_argument("--mesh", default=None, metavar="DATA,TENSOR,EXPERT",
                      help="the mesh sizes (default: every local device along data on an accelerator, "
                           "one device on CPU)")
+    par.add_argument("--allow-replication", action="store_true",
+                     help="serve on a mesh that leaves an array whole on several devices (an MLA latent page "
+                          "pool over tensor, kv heads that tensor does not divide): one warning instead of "
+                          "an error")
     ap.add_argument("--static", action="store_true",
                     help="admit a batch only when every slot is free (the old static batching; for benchmarks)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
@@ -207,6 +214,7 @@ def build_engine(args: argparse.Namespace, devices=None):
               num_pages=args.num_pages, decode_buckets=args.decode_buckets, decode_steps=args.decode_steps,
               mixed_decode_buckets=args.mixed_decode_buckets, static=args.static,
               logits_dot_in_fp32=args.logits_dot_in_fp32, router_noise=args.router_noise,
+              allow_replication=args.allow_replication,
               program_cache=None if args.compilation_cache is None else os.path.join(args.compilation_cache,
                                                                                        "r3jax-programs"))
     data, tensor, expert = args.mesh_shape
@@ -363,7 +371,8 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(e, ReplicationError):  # the model's shapes do not divide over the mesh asked for
             data, tensor, expert = args.mesh_shape
             hint = (f" (mesh data={data}, tensor={tensor}, expert={expert} from --mesh / --tensor-parallel-size"
-                    " / --data-parallel-size / --enable-expert-parallel: pick sizes that divide the model's)")
+                    " / --data-parallel-size / --enable-expert-parallel: pick sizes that divide the model's, or "
+                    "--allow-replication)")
         raise SystemExit(f"python -m r3jax serve: {e}{hint}") from None
     app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                      served_model_name=args.served_model_name or args.model, tokenizer=tokenizer,

@@ -1,16 +1,18 @@
-"""The engine over an MLA model: with the latent page pool (absorbed decode) on a (2, 2, 2) mesh it
+"""The engine over an MLA model: with the latent page pool (absorbed decode) on a (1, 2, 4) mesh it
 returns the same tokens, logprobs (1e-5, fp32) and route rows as with the expanded per-head pool on
-one device; a prefix hit reuses latent pages."""
+one device; a prefix hit reuses latent pages. The latent pool has no head axis, so tensor = 2 holds it
+whole on both devices: refused unless allow_replication (one warning)."""
 
 import numpy as np
 import pytest
+from models.axes import ReplicationError
 from flax import nnx
 from jax.sharding import NamedSharding
 
 from models import MoeConfig, MoeTransformer
 from models.cache import cache_bytes_per_token
 from r3jax.engine import Engine, GenerateRequest
-from r3jax.engine.sharding import make_mesh
+from r3jax.engine.sharding import Placement, make_mesh
 
 # tiny DeepSeek-V3-family model (the one of tests/models/test_mla_latent.py)
 MLA = dict(attention="mla", num_heads=4, num_kv_heads=4, head_dim=12, qk_rope_head_dim=4, q_lora_rank=16,
@@ -29,8 +31,11 @@ def _engine(mla_cache, **kw):
 
 @pytest.fixture(scope="module")
 def engines():
-    # the latent engine on a (data, tensor, expert) = (2, 2, 2) mesh: DP attention, prefix cache on
-    made = {"expanded": _engine("expanded"), "latent_dp": _engine("latent", mesh=make_mesh(data=2, tensor=2, expert=2))}
+    # the latent engine on a (data, tensor, expert) = (1, 2, 4) mesh, its pool replicated over tensor by
+    # choice; prefix cache on
+    with pytest.warns(UserWarning, match=r"MLA latent page pool .* so tensor=2 would replicate it 2x"):
+        latent = _engine("latent", mesh=make_mesh(data=1, tensor=2, expert=4), allow_replication=True)
+    made = {"expanded": _engine("expanded"), "latent_tp": latent}
     yield made
     for e in made.values():
         e.close()
@@ -47,7 +52,7 @@ def _requests():
 def test_latent_engine_equals_expanded_engine(engines):
     reqs = _requests()
     want = engines["expanded"].generate(reqs[:3]) + engines["expanded"].generate(reqs[3:])
-    got = engines["latent_dp"].generate(reqs[:3]) + engines["latent_dp"].generate(reqs[3:])
+    got = engines["latent_tp"].generate(reqs[:3]) + engines["latent_tp"].generate(reqs[3:])
     for i, (a, b) in enumerate(zip(want, got)):
         assert a.output_ids == b.output_ids, i
         assert len(a.logprobs) == len(b.logprobs) > 0
@@ -59,9 +64,9 @@ def test_latent_engine_equals_expanded_engine(engines):
 
 
 def test_latent_pool_is_whole_per_device_and_experts_stay_expert_parallel(engines):
-    """The latent pool has one shared 'head' (c_kv, k_rot), so tensor cannot split it and pages are not
-    split over data either: every device holds the whole pool (docs/scaling.md, the limitation)."""
-    eng = engines["latent_dp"]
+    """The latent pool has one shared 'head' (c_kv, k_rot), so tensor cannot split it and one engine
+    never splits its pages: every device holds the whole pool (docs/scaling.md, the limitation)."""
+    eng = engines["latent_tp"]
     spec = lambda x: tuple(x.sharding.spec) if isinstance(x.sharding, NamedSharding) else None
     n, pages, ps = 2, eng.num_pages, eng.block_size
     assert all(s is None for s in spec(eng._k[1])) and all(s is None for s in spec(eng._v[1]))
@@ -69,6 +74,16 @@ def test_latent_pool_is_whole_per_device_and_experts_stay_expert_parallel(engine
     assert eng._v[1].addressable_shards[0].data.shape == (n, pages, ps, 1, 4)  # k_rot [n, pages, ps, 1, rope]
     moe = eng._params["moe_layers"]["mlp"]
     assert spec(moe["gate_proj"][...])[1] == "expert"  # experts stay expert-parallel
+
+
+def test_a_latent_pool_replicated_over_tensor_is_refused_by_default():
+    model = MoeTransformer(MoeConfig.tiny(mla_cache="latent", **MLA), rngs=nnx.Rngs(0))
+    with pytest.raises(ReplicationError, match=r"the MLA latent page pool .* so tensor=2 would replicate it 2x: "
+                                               r"expected tensor=1 .* or allow_replication=True"):
+        Engine(model, mesh=make_mesh(data=1, tensor=2, expert=4), **KW)
+    expanded = MoeTransformer(MoeConfig.tiny(mla_cache="expanded", **MLA), rngs=nnx.Rngs(0))
+    place = Placement(make_mesh(data=1, tensor=2, expert=4), expanded.config)
+    assert tuple(place.kv().spec) == (None, None, None, "tensor", None)  # the per-head pool splits by heads
 
 
 def test_latent_cache_sizes_the_prefix_pool():

@@ -226,6 +226,23 @@ def test_data_parallel_flags_build_engine_cores():
         eng.close()
 
 
+def test_a_mesh_that_replicates_an_array_is_refused_unless_allowed():
+    """tensor = 4 does not divide the tiny model's 2 kv heads: the server refuses the mesh naming the
+    array, and ``--allow-replication`` serves it with one warning."""
+    from models.axes import ReplicationError
+    from r3jax.serve.server import build_engine
+
+    base = ["--mesh", "1,4,1", "--max-seq-len", "64", "--max-batch-size", "4"]
+    with pytest.raises(ReplicationError, match=r"tensor=4 divides none of dim \d \(kv_heads\) = 2 \(2 heads\)"):
+        build_engine(parse_args(base, devices=jax.devices()))
+    with pytest.warns(UserWarning, match=r"allow_replication=True: .*tensor=4 divides none"):
+        eng = build_engine(parse_args(base + ["--allow-replication"], devices=jax.devices()))
+    try:
+        assert eng.placement.describe() == {"devices": 4, "data": 1, "tensor": 4, "expert": 1}
+    finally:
+        eng.close()
+
+
 def test_a_checkpoint_loads_into_its_shards_never_whole_on_one_device(tmp_path, monkeypatch):
     """``--model HF_DIR`` on the (1, 2, 4) mesh: the model build_model reads is host arrays, so when the
     engine places the weights no device holds any of them; afterwards device 0 holds only its own

@@ -152,7 +152,7 @@ def test_in_process_sync_to_a_multi_device_engine_survives_donated_train_steps(t
     from r3jax.sharding import make_mesh, shard_batch
 
     cfg, model = tiny
-    engine = Engine(model, mesh=engine_mesh(data=2, devices=jax.devices()[:2]), max_seq_len=32, max_batch_size=2,
+    engine = Engine(model, mesh=engine_mesh(data=1, tensor=2, devices=jax.devices()[:2]), max_seq_len=32, max_batch_size=2,
                     prefix_cache_bytes=0, block_size=8, prefill_chunk=16, moe_impl="dense")
     try:
         mesh = make_mesh(data=-1)
