@@ -6,8 +6,8 @@ structure is the trainer's own), the engine's page pool from ``jax.eval_shape`` 
 trainer (:func:`r3jax.train.state_shardings`, :func:`r3jax.sharding.batch_sharding`) or the engine
 (:class:`r3jax.engine.sharding.Placement`) would give it. The programs are the trainer's own jitted
 step (:func:`r3jax.train.make_train_step`, R3 replay) and the engine's mixed step
-(:func:`r3jax.engine.step.step`, jitted as ``Engine._build`` does) with decode rows only, lowered
-at those inputs and compiled; per-chip bytes come from each leaf's shard shape, peak memory and bytes
+(:func:`r3jax.engine.step.step`, jitted as ``Engine._build`` does) with decode rows only, one engine
+core's (the server's data axis runs cores on disjoint devices), lowered at those inputs and compiled; per-chip bytes come from each leaf's shard shape, peak memory and bytes
 accessed from XLA.
 """
 
@@ -17,6 +17,7 @@ import functools
 import math
 import re
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -29,7 +30,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from models import MoeConfig, MoeTransformer
 from models import axes
 from models.axes import ReplicationError
-from models.cache import is_latent
 from r3jax import sharding as batch_axes
 from r3jax.batch import Batch
 from r3jax.engine.programs import round_up
@@ -98,17 +98,16 @@ def train_layout(cfg: MoeConfig, chips: int) -> tuple[int, int, int]:
 
 
 def decode_layouts(cfg: MoeConfig, chips: int, slots: int) -> list[tuple[int, int, int]]:
-    """Every (data, tensor, expert) factorisation of ``chips`` the engine can use: tensor divides the
-    kv heads (the KV cache splits by kv head), data divides the slots (data x tensor for MLA's latent
-    cache: DP attention, models/cache.py), and each expert shard keeps >= 2 experts (libtpu 0.0.42
-    fails on a lone expert per chip)."""
+    """Every (data, tensor, expert) factorisation of ``chips`` the engine can use: ``data`` engine cores
+    (:class:`r3jax.engine.group.EngineGroup`) that divide the slots, each on ``tensor x expert`` chips;
+    tensor divides the kv heads (the KV cache splits by kv head), and each expert shard keeps >= 2
+    experts (libtpu 0.0.42 fails on a lone expert per chip)."""
     out = []
     for t in _divisors(chips):
         for e in _divisors(chips // t):
             d = chips // (t * e)
-            slot_split = d * t if is_latent(cfg) else d
             if cfg.num_kv_heads % t == 0 and cfg.num_experts % e == 0 and cfg.num_experts // e >= 2 \
-                    and slots % slot_split == 0:
+                    and slots % d == 0:
                 out.append((d, t, e))
     if not out:
         raise ValueError(f"no (data, tensor, expert) layout of {chips} chips fits slots={slots}, "
@@ -168,50 +167,65 @@ def train_program(cfg: MoeConfig, devices, *, rows: int, seq_len: int, rl_batch:
 
 
 def decode_program(cfg: MoeConfig, devices, *, slots: int, seq_len: int, decode_steps: int = 8,
-                   block_size: int = 16, stop_width: int = 64, layout=None):
-    """The engine's decode program: ``slots`` decode rows, every row's page table as long as a
-    ``seq_len`` request, over a pool of ``1 + slots * pages_per_row`` pages of ``block_size`` tokens
-    (the engine's default pool without a prefix cache); returns ``(jitted, args, info)``. With
-    ``decode_steps`` > 1 it is the engine's decode loop (:func:`r3jax.engine.step.decode_loop`:
-    ``decode_steps`` tokens per row per call, the stop check on device against ``stop_width`` stop ids
-    per row, route rows ``[decode_steps, slots, L, K]``); with 1, one step
-    (:func:`r3jax.engine.step.step`). The program is traced under the mesh, so the paged attention's
-    ``"auto"`` sees the target's devices (the Pallas kernel on a TPU topology, :mod:`models.paged`).
+                   block_size: int = 16, stop_width: int = 64, layout=None, allow_replication: bool = False):
+    """The engine's decode program on ``devices``: ``slots`` decode rows, every row's page table as long
+    as a ``seq_len`` request; returns ``(jitted, args, info)``. A layout (data, tensor, expert) is what
+    the server runs (``--mesh D,T,E``): ``data`` engine cores (:class:`r3jax.engine.group.EngineGroup`),
+    each an engine on its own ``tensor x expert`` devices with ``slots / data`` rows and a pool of its
+    own of ``1 + (slots / data) * pages`` pages of ``block_size`` tokens (the engine's default pool
+    without a prefix cache). The cores run the same program on disjoint devices, so the program
+    compiled is one core's, on the first ``tensor x expert`` devices; per-chip figures are a core's
+    chips' (every chip of the slice holds the same). With ``decode_steps`` > 1 it is the engine's decode
+    loop (:func:`r3jax.engine.step.decode_loop`: ``decode_steps`` tokens per row per call, the stop
+    check on device against ``stop_width`` stop ids per row, route rows ``[decode_steps, rows, L, K]``);
+    with 1, one step (:func:`r3jax.engine.step.step`). The program is traced under the core's mesh, so
+    the paged attention's ``"auto"`` sees the target's devices (the Pallas kernel on a TPU topology,
+    :mod:`models.paged`).
 
-    ``layout`` (data, tensor, expert) defaults to the one of :func:`decode_layouts` with the fewest
-    resident bytes per chip (parameters + pool as :class:`Placement` places them), ties to the
-    larger data axis; a layout on which Placement would replicate an array (models.axes) is skipped."""
+    ``layout`` defaults to the one of :func:`decode_layouts` with the fewest resident bytes per chip
+    (parameters + pool as :class:`Placement` places them), ties to the larger data axis. A layout on
+    which Placement would replicate an array (models.axes: e.g. an MLA latent pool over tensor) is
+    skipped, unless ``allow_replication`` (as the engine's): then it competes like the others and
+    ``info["replicated"]`` names what it replicates."""
     from models.paged import PagedCache, RaggedLayout
     from r3jax.engine import step as engine_step
     from r3jax.engine.engine import BLOCK_TOKENS
 
     block_pages = max(1, BLOCK_TOKENS // block_size)  # as Engine
     pages_per_row = round_up(-(-seq_len // block_size), block_pages)
-    lay_step = RaggedLayout(decode_rows=slots, prefill_rows=0, prefill_len=1, pages_per_row=pages_per_row,
-                            block_pages=min(block_pages, pages_per_row))
-    num_pages = 1 + slots * -(-seq_len // block_size)
     model = nnx.eval_shape(lambda: MoeTransformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     rdt = route_dtype(cfg.num_experts)
-    k, v = jax.eval_shape(lambda: PagedCache.init_pool(cfg, num_pages, block_size))
     candidates = decode_layouts(cfg, len(devices), slots) if layout is None else [tuple(layout)]
     scored, refused = [], []
     for lay in candidates:
-        place = Placement(_mesh(lay, devices), cfg)
-        try:
-            p_ = _abstract(params, place.param_shardings(params))
-            r_ = _abstract(rest, jax.tree.map(lambda _: place.replicated, rest))
-            kv = place.kv()  # as Engine: [n, P, ps, Hc, Dc], heads along tensor, pages whole
-            pool = (tuple(_abstract(a, kv) for a in k), tuple(_abstract(a, kv) for a in v))
-        except ReplicationError as e:  # a layout that would replicate an array: not one the engine takes
-            if layout is not None:
-                raise
-            refused.append(e)
-            continue
-        scored.append(((chip_bytes(p_) + chip_bytes(pool), -lay[0], lay[1]), lay, place, (p_, r_, pool)))
+        d, t, e = lay
+        if slots % d:
+            raise ValueError(f"layout={lay}: data={d} engine cores must divide slots={slots}")
+        rows, num_pages = slots // d, 1 + (slots // d) * -(-seq_len // block_size)
+        k, v = jax.eval_shape(lambda: PagedCache.init_pool(cfg, num_pages, block_size))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                place = Placement(_mesh((1, t, e), devices[:t * e]), cfg, allow_replication=allow_replication)
+                p_ = _abstract(params, place.param_shardings(params))
+                r_ = _abstract(rest, jax.tree.map(lambda _: place.replicated, rest))
+                kv = place.kv()  # as Engine: [n, P, ps, Hc, Dc], heads along tensor, pages whole
+                pool = (tuple(_abstract(a, kv) for a in k), tuple(_abstract(a, kv) for a in v))
+            except ReplicationError as err:  # a layout that would replicate an array: not one the engine takes
+                if layout is not None:
+                    raise
+                refused.append(err)
+                continue
+        notes = [str(w.message) for w in caught if "allow_replication=True" in str(w.message)]
+        key = (chip_bytes(p_) + chip_bytes(pool), bool(notes), -d, t)
+        scored.append((key, lay, place, (p_, r_, pool), rows, num_pages, notes))
     if not scored:
         raise refused[0]
-    _, layout, place, (params, rest, (k, v)) = min(scored, key=lambda s: s[0])
+    _, layout, place, (params, rest, (k, v)), rows, num_pages, notes = min(scored, key=lambda s: s[0])
+    d = layout[0]
+    lay_step = RaggedLayout(decode_rows=rows, prefill_rows=0, prefill_len=1, pages_per_row=pages_per_row,
+                            block_pages=min(block_pages, pages_per_row))
     rep = place.replicated
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=rep)
     i32 = lambda *shape: sds(shape, jnp.int32)
@@ -220,7 +234,7 @@ def decode_program(cfg: MoeConfig, devices, *, slots: int, seq_len: int, decode_
                                table=i32(r, pages_per_row), kv_len=i32(r), sample_at=i32(r), slot=i32(r),
                                key_data=sds((r, 2), jnp.uint32), index=i32(r), temperature=sds((r,), jnp.float32),
                                top_k=i32(r), top_p=sds((r,), jnp.float32), processed=sds((r,), jnp.bool_))
-    last = i32(slots)
+    last = i32(rows)
     mesh = place.mesh
     common = dict(layout=lay_step, head_only=callable(getattr(model, "logits", None)), route_dtype=rdt)
     if decode_steps > 1:  # as Engine._build
@@ -238,13 +252,14 @@ def decode_program(cfg: MoeConfig, devices, *, slots: int, seq_len: int, decode_
     out = (tuple(kv for _ in k), tuple(kv for _ in v), rep, rep, rep, rep)
     jitted = jax.jit(under_mesh, donate_argnums=(2, 3, 4), out_shardings=out)  # as Engine._build
     # the call's route rows (the pool's are on the host)
-    rows = (decode_steps, r) if decode_steps > 1 else (n,)
-    routes = sds(rows + (cfg.num_moe_layers, cfg.top_k), rdt)
-    info = {"mesh": dict(zip(ENGINE_AXES, layout)), "decode_steps": decode_steps, "params_bytes": chip_bytes(params),
-            "optimizer_bytes": 0, "params_total_bytes": full_bytes(params), "slots": slots,
-            "num_pages": num_pages, "pages_per_row": pages_per_row, "step_tokens": n,
+    call_rows = (decode_steps, r) if decode_steps > 1 else (n,)
+    routes = sds(call_rows + (cfg.num_moe_layers, cfg.top_k), rdt)
+    info = {"mesh": dict(zip(ENGINE_AXES, layout)), "engine_cores": d, "core_devices": len(mesh.devices.flat),
+            "core_slots": rows, "replicated": notes, "decode_steps": decode_steps,
+            "params_bytes": chip_bytes(params), "optimizer_bytes": 0, "params_total_bytes": full_bytes(params),
+            "slots": slots, "num_pages": num_pages, "pages_per_row": pages_per_row, "step_tokens": n,
             "kv_cache_bytes": chip_bytes((k, v)), "routes_bytes": chip_bytes(routes),
-            "routes_total_bytes": full_bytes(routes), "slot_state_bytes": chip_bytes((k, v, last)),
+            "routes_total_bytes": d * full_bytes(routes), "slot_state_bytes": chip_bytes((k, v, last)),
             "routes_sharding": describe_sharding(routes), "layouts_considered": len(scored)}
     return jitted, (params, rest, k, v, last, x) + extra, info
 

@@ -19,7 +19,11 @@ Workload: an RL batch of ``--rl-batch`` sequences x ``--seq-len`` tokens (defaul
   first that fits, listing every try in ``layouts_tried``.
 - decode: the engine's decode program (its decode loop: ``decode_steps`` tokens per row per call) with
   ``--rl-batch`` rows, every row live, attention over the whole ``--seq-len`` cache; routes are the
-  call's route rows.
+  call's route rows. The layout's ``data`` is engine cores as the server runs them (``--mesh D,T,E``):
+  each core holds the model on its ``tensor x expert`` chips, ``--rl-batch / data`` rows and a page
+  pool of its own, so the program compiled is one core's (``aot_cells.decode_program``). A layout that
+  replicates an array (an MLA latent pool over tensor) competes on bytes too, and the cell's
+  ``replicated`` says what (serving it takes ``--allow-replication``).
 
 Each cell runs in its own process with a time limit (a 48-layer model can take long to compile on 2
 cores); results are written to experiments/results/scale_plan.json after every cell, and a rerun skips
@@ -176,8 +180,10 @@ def run_cell(cfg, topo_name: str, program: str, *, backend: str, rl_batch: int, 
         _, info, report, build_s = best
         report = {**report, "compile_s": sum(t["compile_s"] for t in tried)}
     elif program == "decode":
+        # an MLA latent pool over tensor is replicated (the server's --allow-replication): such layouts
+        # compete on bytes, and the cell's "replicated" names what they replicate
         fn, args, info = aot_cells.decode_program(cfg, devs, slots=rl_batch, seq_len=seq_len,
-                                                  decode_steps=decode_steps, layout=layout)
+                                                  decode_steps=decode_steps, layout=layout, allow_replication=True)
         build_s = time.perf_counter() - t0
         resident = info["params_bytes"] + info["slot_state_bytes"]
         if backend == "tpu" and resident > topo.hbm_bytes:

@@ -8,6 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from experiments import aot_cells, scale_plan, topologies
 from models import MoeConfig
+from models.axes import ReplicationError
 from r3jax.sharding import AXES, BATCH_AXES
 
 CFG = MoeConfig.tiny()  # f32: 4 bytes per parameter
@@ -53,13 +54,16 @@ def test_decode_cell_on_a_simulated_cpu_mesh(cpu_decode):
     assert c["status"] == "fits", c.get("error")
     d, t, e = (c["mesh"][a] for a in ("data", "tensor", "expert"))
     assert d * t * e == 4 and CFG.num_kv_heads % t == 0 and CFG.num_experts // e >= 2
-    # the page pool [P, 16, Hkv, Dh] per layer (k and v), P = 1 + slots * pages of a SEQ request: kv
-    # heads along tensor, pages whole (the engine's pool)
-    assert c["num_pages"] == 1 + RL_BATCH * -(-SEQ // 16)
+    # d engine cores, each on t * e chips with RL_BATCH / d rows; a core's page pool [P, 16, Hkv, Dh]
+    # per layer (k and v), P = 1 + rows * pages of a SEQ request: kv heads along tensor, pages whole
+    rows = RL_BATCH // d
+    assert (c["engine_cores"], c["core_devices"], c["core_slots"], c["replicated"]) == (d, t * e, rows, [])
+    assert c["num_pages"] == 1 + rows * -(-SEQ // 16)
     kv = 2 * CFG.num_layers * c["num_pages"] * 16 * CFG.num_kv_heads * CFG.head_dim * 4
     assert c["kv_cache_bytes"] == kv // t
-    # the decode loop's route rows: decode_steps tokens per slot per call (scale_plan's default 8)
-    assert c["decode_steps"] == 8 and c["routes_bytes"] == 8 * RL_BATCH * L * K
+    # the decode loop's route rows: decode_steps tokens per row per call (scale_plan's default 8)
+    assert c["decode_steps"] == 8 and c["routes_bytes"] == 8 * rows * L * K
+    assert c["routes_total_bytes"] == 8 * RL_BATCH * L * K
     assert c["bytes_accessed"] > 0
     # the layout chosen has the fewest resident bytes per chip of every layout the engine could use
     assert (d, t, e) in aot_cells.decode_layouts(CFG, 4, RL_BATCH)
@@ -69,6 +73,29 @@ def test_decode_cell_on_a_simulated_cpu_mesh(cpu_decode):
     assert c["params_bytes"] + c["slot_state_bytes"] == min(resident.values())
     # tensor=4 is not offered: the tiny model has 2 kv heads
     assert all(lay[1] <= CFG.num_kv_heads for lay in resident)
+    # two cores of two chips: each holds the whole model over its 2 chips and half the rows' pool
+    core = aot_cells.decode_program(CFG, topologies.devices(topologies.topology(TOPO), "cpu"), slots=RL_BATCH,
+                                    seq_len=SEQ, layout=(2, 2, 1))[2]
+    assert (core["core_devices"], core["core_slots"]) == (2, RL_BATCH // 2)
+    assert core["num_pages"] == 1 + RL_BATCH // 2 * -(-SEQ // 16)
+
+
+def test_a_latent_pool_decode_layout_over_tensor_competes_only_with_replication_allowed():
+    """An MLA latent pool has no head axis: tensor > 1 in a core holds it whole on each chip, so such
+    layouts are skipped unless allow_replication, and then the cell names what it replicates."""
+    mla = MoeConfig.tiny(attention="mla", num_heads=4, num_kv_heads=4, head_dim=12, qk_rope_head_dim=4,
+                         q_lora_rank=16, kv_lora_rank=8, v_head_dim=8, mla_cache="latent")
+    devs = topologies.devices(topologies.topology(TOPO), "cpu")
+    strict = [aot_cells.decode_program(mla, devs, slots=RL_BATCH, seq_len=SEQ, layout=lay)[2]
+              for lay in aot_cells.decode_layouts(mla, 4, RL_BATCH) if lay[1] == 1]
+    assert all(i["replicated"] == [] for i in strict)
+    chosen = aot_cells.decode_program(mla, devs, slots=RL_BATCH, seq_len=SEQ)[2]
+    assert chosen["mesh"]["tensor"] == 1 and chosen["replicated"] == []
+    with pytest.raises(ReplicationError, match="MLA latent page pool .* so tensor=2 would replicate it 2x"):
+        aot_cells.decode_program(mla, devs, slots=RL_BATCH, seq_len=SEQ, layout=(1, 2, 2))
+    allowed = aot_cells.decode_program(mla, devs, slots=RL_BATCH, seq_len=SEQ, layout=(1, 2, 2),
+                                       allow_replication=True)[2]
+    assert len(allowed["replicated"]) == 1 and "tensor=2 would replicate it 2x" in allowed["replicated"][0]
 
 
 def test_summary_names_the_smallest_fitting_topology_and_the_exhausted_ones():
