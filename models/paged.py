@@ -275,7 +275,7 @@ def _paged_rows(q, keys, values, q_pos, table, kv_len, *, block_pages: int, scal
     def body(i, carry):
         m, l, acc = carry
         cols = jax.lax.dynamic_slice_in_dim(table, i * block_pages, block_pages, axis=1)
-        if combined and pick_in_gather:  # two gathers that each pick their half: slicing one gathered block copies it
+        if pick_in_gather:  # two gathers that each pick their half: slicing one gathered block copies it
             k, v = gather(keys[0], cols, 0), gather(keys[0], cols, 1)
         elif combined:  # one gather, then the halves: an index inside the gather re-tiles the whole pool on TPU
             both = gather(keys[0], cols).reshape(r, block, hkv, 2, dv)
