@@ -97,6 +97,10 @@ def train_layout(cfg: MoeConfig, chips: int) -> tuple[int, int, int]:
     return train_layouts(cfg, chips)[0]
 
 
+#: TPU vector lanes: a chip's share of an expert's hidden dim should be a multiple of this
+TPU_LANES = 128
+
+
 def decode_layouts(cfg: MoeConfig, chips: int, slots: int) -> list[tuple[int, int, int]]:
     """Every (data, tensor, expert) factorisation of ``chips`` the engine can use: ``data`` engine cores
     (:class:`r3jax.engine.group.EngineGroup`) that divide the slots, each on ``tensor x expert`` chips;
@@ -113,6 +117,15 @@ def decode_layouts(cfg: MoeConfig, chips: int, slots: int) -> list[tuple[int, in
         raise ValueError(f"no (data, tensor, expert) layout of {chips} chips fits slots={slots}, "
                          f"num_kv_heads={cfg.num_kv_heads}, num_experts={cfg.num_experts}")
     return out
+
+
+def lane_aligned(cfg: MoeConfig, tensor: int, lanes: int = TPU_LANES) -> bool:
+    """Whether ``tensor`` splits an expert's hidden size into shares that are multiples of ``lanes``.
+    On a TPU a share that is not is padded and re-laid out around the expert matmuls: DeepSeek-V3
+    decoding 256 x 8192 on 256 v5p chips at tensor = 64 (32 per chip) needed 114 GiB of temporaries and
+    was refused; at tensor = 16 (128 per chip), 8.5 GiB."""
+    share, ragged = divmod(cfg.moe_intermediate_size, tensor)
+    return not ragged and share % lanes == 0
 
 
 def _divisors(n: int) -> list[int]:
@@ -166,37 +179,16 @@ def train_program(cfg: MoeConfig, devices, *, rows: int, seq_len: int, rl_batch:
     return make_train_step(state, replay="rollout"), (state, batch), info
 
 
-def decode_program(cfg: MoeConfig, devices, *, slots: int, seq_len: int, decode_steps: int = 8,
-                   block_size: int = 16, stop_width: int = 64, layout=None, allow_replication: bool = False):
-    """The engine's decode program on ``devices``: ``slots`` decode rows, every row's page table as long
-    as a ``seq_len`` request; returns ``(jitted, args, info)``. A layout (data, tensor, expert) is what
-    the server runs (``--mesh D,T,E``): ``data`` engine cores (:class:`r3jax.engine.group.EngineGroup`),
-    each an engine on its own ``tensor x expert`` devices with ``slots / data`` rows and a pool of its
-    own of ``1 + (slots / data) * pages`` pages of ``block_size`` tokens (the engine's default pool
-    without a prefix cache). The cores run the same program on disjoint devices, so the program
-    compiled is one core's, on the first ``tensor x expert`` devices; per-chip figures are a core's
-    chips' (every chip of the slice holds the same). With ``decode_steps`` > 1 it is the engine's decode
-    loop (:func:`r3jax.engine.step.decode_loop`: ``decode_steps`` tokens per row per call, the stop
-    check on device against ``stop_width`` stop ids per row, route rows ``[decode_steps, rows, L, K]``);
-    with 1, one step (:func:`r3jax.engine.step.step`). The program is traced under the core's mesh, so
-    the paged attention's ``"auto"`` sees the target's devices (the Pallas kernel on a TPU topology,
-    :mod:`models.paged`).
+def _decode_candidates(cfg: MoeConfig, devices, params, rest, *, slots: int, seq_len: int, block_size: int,
+                       layouts=None, allow_replication: bool = False) -> list[tuple]:
+    """Each layout's placement of one engine core (``layouts``: default every :func:`decode_layouts`),
+    best first: on TPU devices lane-aligned expert shares (:func:`lane_aligned`) first, then the fewest
+    resident bytes per chip (parameters + pool), no replication, the larger data axis. A layout
+    Placement refuses (models.axes) is left out, unless it was asked for by name (then it raises)."""
+    from models.paged import PagedCache
 
-    ``layout`` defaults to the one of :func:`decode_layouts` with the fewest resident bytes per chip
-    (parameters + pool as :class:`Placement` places them), ties to the larger data axis. A layout on
-    which Placement would replicate an array (models.axes: e.g. an MLA latent pool over tensor) is
-    skipped, unless ``allow_replication`` (as the engine's): then it competes like the others and
-    ``info["replicated"]`` names what it replicates."""
-    from models.paged import PagedCache, RaggedLayout
-    from r3jax.engine import step as engine_step
-    from r3jax.engine.engine import BLOCK_TOKENS
-
-    block_pages = max(1, BLOCK_TOKENS // block_size)  # as Engine
-    pages_per_row = round_up(-(-seq_len // block_size), block_pages)
-    model = nnx.eval_shape(lambda: MoeTransformer(cfg, rngs=nnx.Rngs(0)))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    rdt = route_dtype(cfg.num_experts)
-    candidates = decode_layouts(cfg, len(devices), slots) if layout is None else [tuple(layout)]
+    tpu = getattr(devices[0], "platform", None) == "tpu"
+    candidates = decode_layouts(cfg, len(devices), slots) if layouts is None else layouts
     scored, refused = [], []
     for lay in candidates:
         d, t, e = lay
@@ -213,16 +205,62 @@ def decode_program(cfg: MoeConfig, devices, *, slots: int, seq_len: int, decode_
                 kv = place.kv()  # as Engine: [n, P, ps, Hc, Dc], heads along tensor, pages whole
                 pool = (tuple(_abstract(a, kv) for a in k), tuple(_abstract(a, kv) for a in v))
             except ReplicationError as err:  # a layout that would replicate an array: not one the engine takes
-                if layout is not None:
+                if layouts is not None:
                     raise
                 refused.append(err)
                 continue
         notes = [str(w.message) for w in caught if "allow_replication=True" in str(w.message)]
-        key = (chip_bytes(p_) + chip_bytes(pool), bool(notes), -d, t)
+        key = (tpu and not lane_aligned(cfg, t), chip_bytes(p_) + chip_bytes(pool), bool(notes), -d, t)
         scored.append((key, lay, place, (p_, r_, pool), rows, num_pages, notes))
     if not scored:
         raise refused[0]
-    _, layout, place, (params, rest, (k, v)), rows, num_pages, notes = min(scored, key=lambda s: s[0])
+    return sorted(scored, key=lambda s: s[0])
+
+
+def decode_order(cfg: MoeConfig, devices, *, slots: int, seq_len: int, block_size: int = 16,
+                 allow_replication: bool = False) -> list[tuple[int, int, int]]:
+    """The layouts :func:`decode_program` chooses from, best first (its default is the first)."""
+    model = nnx.eval_shape(lambda: MoeTransformer(cfg, rngs=nnx.Rngs(0)))
+    _, params, rest = nnx.split(model, nnx.Param, ...)
+    return [s[1] for s in _decode_candidates(cfg, devices, params, rest, slots=slots, seq_len=seq_len,
+                                             block_size=block_size, allow_replication=allow_replication)]
+
+
+def decode_program(cfg: MoeConfig, devices, *, slots: int, seq_len: int, decode_steps: int = 8,
+                   block_size: int = 16, stop_width: int = 64, layout=None, allow_replication: bool = False):
+    """The engine's decode program on ``devices``: ``slots`` decode rows, every row's page table as long
+    as a ``seq_len`` request; returns ``(jitted, args, info)``. A layout (data, tensor, expert) is what
+    the server runs (``--mesh D,T,E``): ``data`` engine cores (:class:`r3jax.engine.group.EngineGroup`),
+    each an engine on its own ``tensor x expert`` devices with ``slots / data`` rows and a pool of its
+    own of ``1 + (slots / data) * pages`` pages of ``block_size`` tokens (the engine's default pool
+    without a prefix cache). The cores run the same program on disjoint devices, so the program
+    compiled is one core's, on the first ``tensor x expert`` devices; per-chip figures are a core's
+    chips' (every chip of the slice holds the same). With ``decode_steps`` > 1 it is the engine's decode
+    loop (:func:`r3jax.engine.step.decode_loop`: ``decode_steps`` tokens per row per call, the stop
+    check on device against ``stop_width`` stop ids per row, route rows ``[decode_steps, rows, L, K]``);
+    with 1, one step (:func:`r3jax.engine.step.step`). The program is traced under the core's mesh, so
+    the paged attention's ``"auto"`` sees the target's devices (the Pallas kernel on a TPU topology,
+    :mod:`models.paged`).
+
+    ``layout`` defaults to the first of :func:`decode_order`: on a TPU a lane-aligned expert share
+    first, then the fewest resident bytes per chip (parameters + pool as :class:`Placement` places
+    them), ties to the larger data axis. A layout on which Placement would replicate an array
+    (models.axes: e.g. an MLA latent pool over tensor) is skipped, unless ``allow_replication`` (as
+    the engine's): then it competes like the others and ``info["replicated"]`` names what it
+    replicates."""
+    from models.paged import RaggedLayout
+    from r3jax.engine import step as engine_step
+    from r3jax.engine.engine import BLOCK_TOKENS
+
+    block_pages = max(1, BLOCK_TOKENS // block_size)  # as Engine
+    pages_per_row = round_up(-(-seq_len // block_size), block_pages)
+    model = nnx.eval_shape(lambda: MoeTransformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    rdt = route_dtype(cfg.num_experts)
+    scored = _decode_candidates(cfg, devices, params, rest, slots=slots, seq_len=seq_len, block_size=block_size,
+                                layouts=None if layout is None else [tuple(layout)],
+                                allow_replication=allow_replication)
+    _, layout, place, (params, rest, (k, v)), rows, num_pages, notes = scored[0]
     d = layout[0]
     lay_step = RaggedLayout(decode_rows=rows, prefill_rows=0, prefill_len=1, pages_per_row=pages_per_row,
                             block_pages=min(block_pages, pages_per_row))

@@ -19,7 +19,9 @@ Workload: an RL batch of ``--rl-batch`` sequences x ``--seq-len`` tokens (defaul
   first that fits, listing every try in ``layouts_tried``.
 - decode: the engine's decode program (its decode loop: ``decode_steps`` tokens per row per call) with
   ``--rl-batch`` rows, every row live, attention over the whole ``--seq-len`` cache; routes are the
-  call's route rows. The layout's ``data`` is engine cores as the server runs them (``--mesh D,T,E``):
+  call's route rows. On TPU the cell tries the engine's layouts best first (lane-aligned expert shares,
+  then the fewest resident bytes per chip; at most ``DECODE_TRIES``) and keeps the first that fits
+  with the headroom, listing every try in ``layouts_tried``. The layout's ``data`` is engine cores as the server runs them (``--mesh D,T,E``):
   each core holds the model on its ``tensor x expert`` chips, ``--rl-batch / data`` rows and a page
   pool of its own, so the program compiled is one core's (``aot_cells.decode_program``). A layout that
   replicates an array (an MLA latent pool over tensor) competes on bytes too, and the cell's
@@ -42,6 +44,7 @@ from pathlib import Path
 
 RESULT = "scale_plan"
 HEADROOM = 0.10  # a slice counts as fitting when the peak leaves this fraction of HBM free
+DECODE_TRIES = 6  # layouts a TPU decode cell compiles at most, best first
 BEFORE = "scale_plan_einsum"  # the plan with einsum attention, full-vocabulary logits and the expanded MLA cache
 MODELS = ("qwen3_30b_a3b", "olmoe_1b_7b", "mixtral_8x7b")
 LARGE_MODELS = ("glm4_5_air", "qwen3_235b_a22b", "deepseek_v3", "kimi_k2")  # issue 13's presets
@@ -180,16 +183,38 @@ def run_cell(cfg, topo_name: str, program: str, *, backend: str, rl_batch: int, 
         _, info, report, build_s = best
         report = {**report, "compile_s": sum(t["compile_s"] for t in tried)}
     elif program == "decode":
-        # an MLA latent pool over tensor is replicated (the server's --allow-replication): such layouts
-        # compete on bytes, and the cell's "replicated" names what they replicate
-        fn, args, info = aot_cells.decode_program(cfg, devs, slots=rl_batch, seq_len=seq_len,
-                                                  decode_steps=decode_steps, layout=layout, allow_replication=True)
-        build_s = time.perf_counter() - t0
-        resident = info["params_bytes"] + info["slot_state_bytes"]
-        if backend == "tpu" and resident > topo.hbm_bytes:
-            report = resident_report(resident, topo.hbm_bytes)
+        # On TPU the cell tries the engine's layouts best first (aot_cells.decode_order: lane-aligned expert
+        # shares, then the fewest resident bytes) and keeps the first that fits with HEADROOM free, as the
+        # train cell does (a layout's temporaries show only when compiled); XLA:CPU refuses nothing, so
+        # there only the first is compiled. An MLA latent pool over tensor is replicated (the server's
+        # --allow-replication): such layouts compete, and the cell's "replicated" names what they replicate.
+        if layout is not None:
+            layouts = [tuple(layout)]
         else:
-            report = aot_cells.compile_report(fn, args)
+            layouts = aot_cells.decode_order(cfg, devs, slots=rl_batch, seq_len=seq_len, allow_replication=True)
+        if backend != "tpu":
+            layouts = layouts[:1]
+        best = None
+        for lay in layouts[:DECODE_TRIES]:
+            fn, args, info = aot_cells.decode_program(cfg, devs, slots=rl_batch, seq_len=seq_len,
+                                                      decode_steps=decode_steps, layout=lay, allow_replication=True)
+            build_s = time.perf_counter() - t0
+            resident = info["params_bytes"] + info["slot_state_bytes"]
+            if backend == "tpu" and resident > topo.hbm_bytes:
+                report = resident_report(resident, topo.hbm_bytes)
+            else:
+                report = aot_cells.compile_report(fn, args)
+            need = report.get("peak_bytes") or report.get("required_bytes") or float("inf")
+            tried.append({"mesh": info["mesh"], "status": report["status"], "compile_s": report.get("compile_s", 0.0),
+                          "peak_bytes": report.get("peak_bytes") or report.get("required_bytes"),
+                          **({"error": report["error"][:300]} if report["status"] == "error" else {})})
+            rank = (report["status"] != "fits", need)  # a fitting layout first, then the smaller peak
+            if best is None or rank < best[0]:
+                best = (rank, info, report, build_s)
+            if report["status"] == "fits" and need <= (1 - HEADROOM) * topo.hbm_bytes:
+                break
+        _, info, report, build_s = best
+        report = {**report, "compile_s": sum(t["compile_s"] for t in tried)}
     else:
         raise ValueError(f"program={program!r}: expected one of {aot_cells.PROGRAMS}")
     if backend == "cpu" and report["status"] == "fits":

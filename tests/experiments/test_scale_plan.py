@@ -184,3 +184,20 @@ def test_merge_joins_runs_over_disjoint_models_and_keeps_each_cells_commit(tmp_p
     assert sorted(cells) == ["m1", "m2", "m3"]
     assert (cells["m1"]["commit"], cells["m2"]["commit"], cells["m2"]["peak_bytes"]) == ("abc1234", "def5678", 30)
     assert "m3/train: smallest fitting v5p:2x2x1 (4 chips)" in capsys.readouterr().out
+
+
+def test_lane_aligned_expert_shares():
+    """A chip's share of an expert's hidden dim is a multiple of the TPU's 128 lanes, or not."""
+    deepseek, qwen3 = MoeConfig.preset("deepseek_v3"), MoeConfig.preset("qwen3_30b_a3b")  # I = 2048, 768
+    assert [t for t in (1, 2, 4, 8, 16, 32, 64) if aot_cells.lane_aligned(deepseek, t)] == [1, 2, 4, 8, 16]
+    assert [t for t in (1, 2, 3, 4, 6, 8) if aot_cells.lane_aligned(qwen3, t)] == [1, 2, 3, 6]
+
+
+@tpu
+def test_a_tpu_decode_order_puts_lane_aligned_layouts_first():
+    cfg = CFG.replace(moe_intermediate_size=256, num_kv_heads=4)  # tensor 1, 2: 256, 128 a chip; tensor 4: 64
+    devs = topologies.devices(topologies.topology(TOPO), "tpu")
+    order = aot_cells.decode_order(cfg, devs, slots=RL_BATCH, seq_len=SEQ)
+    aligned = [aot_cells.lane_aligned(cfg, t) for _, t, _ in order]
+    assert aligned == sorted(aligned, reverse=True) and aligned[0] and not aligned[-1] and set(order) == set(
+        aot_cells.decode_layouts(cfg, 4, RL_BATCH))
