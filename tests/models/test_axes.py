@@ -73,10 +73,17 @@ def test_engine_refuses_a_mesh_that_would_replicate_its_kv_heads():
 
     tiny_model = MoeTransformer(MoeConfig.tiny(), rngs=nnx.Rngs(0))
 
-    # refused while placing the parameters, before any program is compiled
-    with pytest.raises(ReplicationError, match=r"attn/k_proj .*tensor=8 divides none of dim 2 \(kv_heads\) = 32 "
+    # refused before any weight is placed or program compiled: the page pool's kv heads are checked first
+    with pytest.raises(ReplicationError, match=r"KV cache .*tensor=8 divides none of dim 3 \(kv_heads\) = 2 "
                                                r"\(2 heads\).*replicated 8x"):
         Engine(tiny_model, mesh=engine_mesh(data=1, tensor=8), max_seq_len=32, max_batch_size=8)
+    # the weights' own check names them (k_proj's output dim holds the kv heads)
+    from r3jax.engine.sharding import Placement
+
+    params = nnx.state(tiny_model, nnx.Param)
+    with pytest.raises(ReplicationError, match=r"attn/k_proj .*tensor=8 divides none of dim 2 \(kv_heads\) = 32 "
+                                               r"\(2 heads\).*replicated 8x"):
+        Placement(engine_mesh(data=1, tensor=8), tiny_model.config).param_shardings(params)
 
 
 def test_trainer_refuses_experts_no_axis_splits_unless_opted_in():
