@@ -200,9 +200,11 @@ SECTIONS = [
             "layers and one MoE layer; the preset's shapes otherwise); `auto` is the Pallas ragged paged attention "
             "kernel where it covers the model (its figure is what runs outside the kernel, which reads the pool in place: the "
             "engine stores GQA keys and values in the kernel's combined layout; MLA's latent cache runs `xla`), "
-            "`xla` our gather-over-pages loop (its loop over key blocks counted once: a lower bound). In this run the "
-            "kernel path holds its goal (≤ 1.3) for olmoe and mixtral (1.04, 1.14), not for qwen3 (3.14; a "
-            "quarter of its bytes re-lay out the expert weights before the loop: their per-chip I = 192 tiles badly).", decode_bytes),
+            "`xla` our gather-over-pages loop (its loop over key blocks counted once: a lower bound). The layout is "
+            "the scale plan's first choice (lane-aligned expert shares first, then the fewest resident bytes). In "
+            "this run the kernel path holds its goal (≤ 1.3) for olmoe, mixtral and deepseek_v3 (1.04, 1.14, 1.19), "
+            "not for qwen3 (2.45 on tensor 2 × expert 2, where a share of 384 a chip is lane-aligned; 3.14 on the "
+            "tensor = 4 layout before, 192 a chip, whose expert weights were re-laid out before the loop).", decode_bytes),
     Section("bench_trace", "Routes, trace, batches", "python -m experiments.bench_trace",
             "Append + finalize of a `RoutedExpertTrace` (Qwen3-30B-A3B route shape) against re-concatenating the "
             "whole prefix every turn; bytes per route row in each wire form; padded against packed batches.",
