@@ -122,14 +122,16 @@ SECTIONS = [
             "only where it is 1. Each side is sized for its batch (our engine: `max_batch_size` = B) and ours runs "
             "its default kernel (gather on CPU); our models run with unrolled layers on CPU, and the engine decodes "
             "8 steps per device call (`decode_steps`). Against the goals (≥ 1.5× HF at B = 8 and 32, ≥ 2× Tunix "
-            "at B = 8) on this CPU, in this run: the peer config is 2.11× HF at B = 8 and 1.24× at B = 32 (0.82× at "
-            "B = 64) and 1.45× Tunix at B = 8 (3.05× at B = 1); tiny 3.4× and 1.14× (1.14× at B = 64); small_100m "
-            "0.75× and 1.16×. The run before it, of the same CPU code (experiments/results/bench_decode.json at "
-            "commit 6cb5eae), gave the peer config 2.49× and 1.61× (1.33× Tunix), tiny 3.97× and 1.63×, small_100m "
-            "1.82× and 1.13×: the goals at B = 32 hold in one run and not the other. Each figure "
+            "at B = 8) on this CPU, in this run: the peer config is 1.74× HF at B = 8 and 1.17× at B = 32 (0.96× at "
+            "B = 64) and 1.74× Tunix at B = 8 (3.02× at B = 1); tiny 3.05× and 1.54× (1.04× at B = 64); small_100m "
+            "1.34× and 0.94×; a libtpu compile shared the machine for part of the run. The run before it, of the "
+            "same CPU code (experiments/results/bench_decode.json at commit 616c5ed), gave the peer config 2.11× and "
+            "1.24× (1.45× Tunix), tiny 3.4× and 1.14×, small_100m 0.75× and 1.16×, and the one before that (6cb5eae) "
+            "2.49× and 1.61×: the goals at B = 32 hold in one run and not the others. Each figure "
             "is the best of 2 runs (HF, `--quick`: 1), and on this loaded 2-core machine a side's tokens/s moves "
-            "by up to 2.6× between runs (ours on small_100m at B = 8: 314 and 123 tokens/s in those two runs; capture on ÷ off, programs that differ only by the route writes, "
-            "spans 0.93–1.05 here). An engine of fewer than 12 requests "
+            "by up to 2.6× between runs (ours on small_100m at B = 8: 314, 123 and 189 tokens/s in those three runs; "
+            "capture on ÷ off, programs that differ only by the route writes, "
+            "spans 0.87–1.20 here). An engine of fewer than 12 requests "
             "prefills 4 prompts a step (`Engine.prefill_rows_for`), so B = 8 takes two prefill steps. "
             "[Where a decode step's time goes](#where-a-decode-steps-time-goes) breaks a call down.", bench_decode),
     Section("serve_start", "Server start, cold and on restart", "python -m experiments.serve_start",
@@ -153,8 +155,8 @@ SECTIONS = [
             "that decode (a call runs a decode loop of up to 8 steps, or one mixed step); `mean_live_slots`: tokens "
             "decoded per such call (rows × steps). In this run the mixed agents' goal is missed: they (8 turns "
             "each, mostly 8 tokens a turn) finish after the long sessions (3 turns of 96 tokens: mixed ÷ long "
-            "1.12, goal ≤ 0.5), and the long sessions take 6.2× as long in the mix as alone, past their goal "
-            "(≤ 2); alone they take 0.16 s, so that ratio moves a lot from run to run, and "
+            "1.13, goal ≤ 0.5), and the long sessions take 5.1× as long in the mix as alone, past their goal "
+            "(≤ 2); alone they take 0.19 s, so that ratio moves a lot from run to run, and "
             "the mix's does too (each is one run of a workload of about two seconds).",
             bench_engine),
     Section("bench_paged", "The paged engine (beside the fixed-slot engine it replaced)", "python -m experiments.bench_paged",
@@ -167,7 +169,7 @@ SECTIONS = [
             "seconds. In this run the warm-up (cold and restart; 4 programs: an engine of fewer than 12 "
             "requests has no 16-row prefill step), 8 samples of one prompt feeding it about once and a short "
             "request not waiting for a long prefill hold their goals; the mix's short ÷ long is 0.59 (goal ≤ "
-            "0.5), and long requests take 3.1× as long in the mix as alone (goal ≤ 2). A step takes up to 4 "
+            "0.5), and long requests take 3.0× as long in the mix as alone (goal ≤ 2). A step takes up to 4 "
             "prompt chunks beside the decode rows, more only when that many prompts wait. After a step with "
             "prefill rows the decode rows run a decode loop of 8 tokens while waiting prompts wait that one "
             "call; when every step carried the waiting prompts, decoding ran one token per call and the mix "
