@@ -160,9 +160,8 @@ class Placement:
         tensor), but one engine never splits it: any step may read any page. So a mesh axis the rows
         ask for (data > 1; tensor > 1 for a latent pool, which has no head axis to split) would leave
         the whole pool on every device along it: :class:`models.axes.ReplicationError` naming the
-        axis and the multiplier, or one warning with ``allow_replication``. Data
-        parallelism is :class:`r3jax.engine.group.EngineGroup`'s: one engine, and one pool, per
-        data shard."""
+        axis and the multiplier, or one warning with ``allow_replication``. Data parallelism is
+        :class:`r3jax.engine.group.EngineGroup`'s: one engine, and one pool, per data shard."""
         table = axes.rules("serve")
         logical = tuple(None if a == self._batch else a for a in self._cache.axes)
         shape = (1, 1, 1) + self._cache.k  # n, P, ps never split
