@@ -3,16 +3,32 @@ ahead-of-time compile on this CPU host (nothing is allocated).
 
     .venv-tpu/bin/python -m experiments.decode_bytes [--quick]      # or: make decode-bytes
 
-The program is the engine's mixed step with decode rows only (:func:`experiments.aot_cells.decode_program`:
+The program is the engine's decode call with decode rows only (:func:`experiments.aot_cells.decode_program`:
 ``--slots`` requests, each with a page table of ``--seq-len`` tokens, every page of the pool live), on
-the layout with the fewest resident bytes per chip. "Must read" per chip = the parameters a chip holds
-+ its share of the live KV pool: a decode step has to read each once. ``bytes_accessed`` is XLA's cost
-estimate of the compiled program, per chip: it counts a while loop's body once and a Pallas kernel's own
-DMAs not at all, so the models are compiled with their layers unrolled and few of them (``--layers``,
-the preset's shapes otherwise), and the attention runs twice: ``auto`` (on TPU the ragged paged attention
-kernel; the figure is then everything *outside* the kernel, e.g. re-laying the pages out for it) and
-``xla`` (our gather-over-pages loop; its loop over key blocks is counted once, so the figure is a
-lower bound). Writes experiments/results/decode_bytes.json.
+the scale plan's first layout. "Must read" per chip = the parameters a chip holds + its share of the
+live KV pool: a decode step has to read each once. ``bytes_accessed`` is XLA's cost estimate of the
+compiled program, per chip. It counts a while loop's body once, a Pallas kernel's own DMAs not at all, a
+conditional as its costliest branch, and an in-place scatter into the layers' stacked pool as more
+than the rows it writes (a share that grows with the stack). So each model is compiled with its layers
+unrolled and few of them (``--layers``, at least one MoE layer after its dense ones; the preset's shapes
+otherwise), and once more with one MoE layer more on the same layout. Per cell:
+
+- ``accessed_over_must_read``: the ``n``-layer program as compiled. The LM head and the sampler weigh
+  as much there as ``L / n`` times what they would in the preset's ``L`` layers.
+- ``sampler_mib``: the sampler alone (:func:`r3jax.engine.sampling.sample_with_logprobs`) on the step's
+  logits, sharded as the head's vocabulary, compiled by itself. Its costliest branch is the
+  full-vocabulary sort, which runs only when a row's top-k/top-p set spills past the sort-free path's
+  candidates; ``without_sampler_ratio`` is (accessed - sampler) ÷ must-read, an estimate (the sampler
+  fuses a little differently inside the step).
+- ``per_layer_ratio``: the extra layer's accessed ÷ its must-read (its weights and its share of the
+  pool): what a layer moves, free of the embedding, head and sampler (with the kernel, its reads of the
+  pool are not counted, so the figure can fall below 1; the scatter's share makes it grow slowly with
+  the stack).
+
+The attention runs both ways: ``auto`` (on TPU the ragged paged attention kernel; the figure is then
+everything *outside* the kernel, e.g. re-laying the pages out for it) and ``xla`` (our
+gather-over-pages loop; its loop over key blocks is counted once, so the figure is a lower bound).
+Writes experiments/results/decode_bytes.json.
 """
 
 from __future__ import annotations
@@ -23,6 +39,8 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu compiles for the topology; no TPU is opened
 
+COLUMNS = ["model", "layers", "attention", "params_mib", "kv_cache_mib", "must_read_mib", "accessed_mib",
+           "accessed_over_must_read", "sampler_mib", "without_sampler_ratio", "per_layer_ratio", "status"]
 MODELS = ("qwen3_30b_a3b", "olmoe_1b_7b", "mixtral_8x7b", "deepseek_v3")
 TOPOLOGY = {"qwen3_30b_a3b": "v5p:2x2x1", "olmoe_1b_7b": "v5p:2x2x1", "mixtral_8x7b": "v5p:2x2x1",
             "deepseek_v3": "v5p:2x2x1"}
@@ -33,24 +51,59 @@ def cell(name: str, topo_name: str, impl: str, *, layers: int, slots: int, seq_l
     from experiments import aot_cells, topologies
 
     base = MoeConfig.preset(name)
-    # keep at least one MoE layer after the preset's dense ones
+    # keep at least one MoE layer after the preset's dense ones; the second compile adds one more
     n = max(layers, base.first_dense_layers + 1)
-    cfg = base.replace(num_layers=n, scan_layers=False, attention_impl=impl)
-    topo = topologies.topology(topo_name)
-    devs = topologies.devices(topo, "tpu")
+    devs = topologies.devices(topologies.topology(topo_name), "tpu")
     t0 = time.perf_counter()
-    fn, args, info = aot_cells.decode_program(cfg, devs, slots=slots, seq_len=seq_len)
-    report = aot_cells.compile_report(fn, args)
+    runs, layout = [], None
+    for depth in (n, n + 1):
+        cfg = base.replace(num_layers=depth, scan_layers=False, attention_impl=impl)
+        fn, args, info = aot_cells.decode_program(cfg, devs, slots=slots, seq_len=seq_len, layout=layout)
+        layout = tuple(info["mesh"][a] for a in aot_cells.ENGINE_AXES)  # the same layout for the second
+        report = aot_cells.compile_report(fn, args)
+        runs.append((info, report))
+        if report["status"] != "fits":
+            break
+    info, report = runs[0]
     must = info["params_bytes"] + info["kv_cache_bytes"]
-    row = {"model": name, "layers": n, "topology": topo_name, "attention": impl, "slots": slots, "seq_len": seq_len,
-           "mesh": info["mesh"], "params_bytes": info["params_bytes"], "kv_cache_bytes": info["kv_cache_bytes"],
-           "must_read_bytes": must, "status": report["status"], "compile_s": time.perf_counter() - t0}
-    if report["status"] == "fits":
-        row.update(bytes_accessed=report["bytes_accessed"], accessed_over_must_read=report["bytes_accessed"] / must,
-                   peak_bytes=report["peak_bytes"])
-    else:
-        row["error"] = report.get("error", "")[:300]
+    row = {"model": name, "layers": n, "topology": topo_name, "attention": impl,
+           "slots": slots, "seq_len": seq_len, "mesh": info["mesh"], "params_bytes": info["params_bytes"],
+           "kv_cache_bytes": info["kv_cache_bytes"], "must_read_bytes": must, "status": report["status"]}
+    if any(r["status"] != "fits" for _, r in runs):
+        bad = next(r for _, r in runs if r["status"] != "fits")
+        row.update(status=bad["status"], error=bad.get("error", "")[:300], compile_s=time.perf_counter() - t0)
+        return row
+    info2, report2 = runs[1]
+    acc, layer_acc = report["bytes_accessed"], report2["bytes_accessed"] - report["bytes_accessed"]
+    layer_must = info2["params_bytes"] + info2["kv_cache_bytes"] - must
+    sampler = sampler_bytes(args, base.vocab_size, info["core_slots"])
+    row.update(bytes_accessed=acc, accessed_over_must_read=acc / must, peak_bytes=report["peak_bytes"],
+               sampler_bytes=sampler, without_sampler_ratio=(acc - sampler) / must,
+               layer_accessed_bytes=layer_acc, layer_must_read_bytes=layer_must, per_layer_ratio=layer_acc / layer_must,
+               compile_s=time.perf_counter() - t0)
     return row
+
+
+def sampler_bytes(args, vocab: int, rows: int) -> float:
+    """XLA's bytes accessed of the sampler alone on ``[rows, vocab]`` f32 logits sharded as the LM head's
+    vocabulary dim (``args``: the decode program's; params first, the step inputs last but one)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from r3jax.engine.sampling import sample_with_logprobs
+
+    params, x = args[0], args[5]
+    mesh = x.temperature.sharding.mesh
+    head = params["lm_head"] if "lm_head" in params else None
+    vocab_axes = (head.get_value().sharding.spec[1] if head is not None
+                  else params["embed"].get_value().sharding.spec[0])
+    sds = lambda shape, dt, spec=P(): jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
+    logits = sds((rows, vocab), jnp.float32, P(None, vocab_axes))
+    inputs = (logits, sds((rows, 2), jnp.uint32), sds((rows,), jnp.int32), sds((rows,), jnp.float32),
+              sds((rows,), jnp.int32), sds((rows,), jnp.float32), sds((rows,), jnp.bool_))
+    cost = jax.jit(sample_with_logprobs).lower(*inputs).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["bytes accessed"])
 
 
 def main() -> None:
@@ -76,11 +129,11 @@ def main() -> None:
             print({k: v for k, v in rows[-1].items() if k != "mesh"}, flush=True)
     for r in rows:
         for k, mib in (("params_bytes", "params_mib"), ("kv_cache_bytes", "kv_cache_mib"),
-                       ("must_read_bytes", "must_read_mib"), ("bytes_accessed", "accessed_mib")):
+                       ("must_read_bytes", "must_read_mib"), ("bytes_accessed", "accessed_mib"),
+                       ("sampler_bytes", "sampler_mib")):
             if k in r:
                 r[mib] = r[k] / 2**20
-    print(table(rows, ["model", "layers", "topology", "attention", "params_mib", "kv_cache_mib", "must_read_mib",
-                       "accessed_mib", "accessed_over_must_read", "status"]))
+    print(table(rows, COLUMNS))
     path = write_json("decode_bytes", {"quick": args.quick, "layers": args.layers, "slots": args.slots,
                                        "seq_len": args.seq_len, "rows": rows})
     print("wrote", path)

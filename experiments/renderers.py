@@ -197,8 +197,10 @@ def bench_engine(d: dict) -> str:
 
 
 def decode_bytes(d: dict) -> str:
-    return _t(d["rows"], ["model", "layers", "topology", "attention", "params_mib", "kv_cache_mib", "must_read_mib",
-                          "accessed_mib", "accessed_over_must_read", "status"])
+    cols = [c for c in ["model", "layers", "attention", "params_mib", "kv_cache_mib", "must_read_mib", "accessed_mib",
+                        "accessed_over_must_read", "sampler_mib", "without_sampler_ratio", "per_layer_ratio", "status"]
+            if any(c in r for r in d["rows"])]
+    return _t([{c: r.get(c) for c in cols} for r in d["rows"]], cols)
 
 
 def bench_weight_sync(d: dict) -> str:
