@@ -2,14 +2,16 @@
 
     python -m experiments.bench_engine [--quick] [--skip-decode]
 
-1. **Agents over HTTP.** ``python -m r3jax serve`` (tiny, 32 slots, prefix cache on) twice: continuous
-   (default) and ``--static`` (the old behaviour: a batch is admitted only when every slot is free and
-   decodes to completion; same programs). Async multi-turn agents (8 new user tokens a turn, greedy,
+1. **Agents over HTTP.** ``python -m r3jax serve`` (tiny, 32 slots, prefix cache on) three times:
+   continuous (default), ``--static`` (the old behaviour: a batch is admitted only when every slot is
+   free and decodes to completion; same programs) and ``--decode-steps 1`` (one decode step a device
+   call: what multi-step decoding changes). Async multi-turn agents (8 new user tokens a turn, greedy,
    routes returned incrementally from the last captured row) run against each: ``LONG`` long sessions
    (every turn ``LONG_GEN`` tokens) and ``MIXED`` agents whose every turn draws its length from a
-   long-tailed mix (``TURN_GEN`` with probabilities ``TURN_P``). Figures: wall seconds, generated
-   tokens/s, continuous ÷ static on the whole mix, and mix ÷ the long sessions alone (how much the
-   other agents slow the long sessions down).
+   long-tailed mix (``TURN_GEN`` with probabilities ``TURN_P``), together and each kind alone. Figures:
+   wall seconds, generated tokens/s, continuous ÷ static on the whole mix, mix ÷ the long sessions alone
+   (how much the other agents slow the long sessions down), and each kind's mean completion in the mix
+   against the other kind's and against its own alone (how much the other kind slows it down).
 2. **32 concurrent ÷ 1** (in process, warm): wall time of 32 requests submitted at once ÷ one request
    alone (20-token prompt, 64 new tokens).
 3. **Time to first token** under that load (submit -> first token sampled at admission), p50 / p99.
@@ -134,17 +136,23 @@ async def run_agents(url: str, kinds: list[tuple[int, int, int]]) -> dict:
             "completion_s": [float(np.mean(done[k])) for k in range(len(kinds))]}
 
 
+MODES = (("continuous", ()), ("static", ("--static",)), ("one_step", ("--decode-steps", "1")))
+
+
 def bench_agents(quick: bool) -> tuple[list[dict], dict]:
+    """The agents against each server mode (:data:`MODES`: the default; ``--static``; one decode step a
+    call), each workload once: the mix, the long sessions alone, the mixed agents alone."""
     long_kind = (LONG, LONG_TURNS, LONG_GEN)
     short_kind = (MIXED, MIXED_TURNS if not quick else 4, None)
     rows, warm = [], {}
-    for mode, extra in (("continuous", ()), ("static", ("--static",))):
+    for mode, extra in MODES:
         srv = Server(*extra)
         warm[mode] = {"ready_s": srv.ready_s, **srv.warmup}
         try:
             asyncio.run(run_agents(srv.url, [(2, 1, 4)]))  # untimed: connections, first admissions
             before = srv.stats()["engine"]["compiled_programs"]
-            for workload, kinds in (("mix", [long_kind, short_kind]), ("long only", [long_kind])):
+            for workload, kinds in (("mix", [long_kind, short_kind]), ("long only", [long_kind]),
+                                    ("mixed only", [short_kind])):
                 e0 = srv.stats()["engine"]
                 r = asyncio.run(run_agents(srv.url, kinds))
                 e1 = srv.stats()["engine"]
@@ -161,10 +169,12 @@ def bench_agents(quick: bool) -> tuple[list[dict], dict]:
         "static_over_continuous_wall": get("static", "mix")["wall_s"] / get("continuous", "mix")["wall_s"],
         "mix_over_long_alone_continuous": get("continuous", "mix")["wall_s"] / get("continuous", "long only")["wall_s"],
         "mix_over_long_alone_static": get("static", "mix")["wall_s"] / get("static", "long only")["wall_s"]}
-    for m in ("continuous", "static"):  # the mixed agents (mostly short turns) ÷ the long sessions, in the mix
+    for m, _ in MODES:  # the mixed agents (mostly short turns) ÷ the long sessions, in the mix; each kind ÷ alone
         long_s, short_s = get(m, "mix")["completion_s"]
         summary[f"mix_short_over_long_{m}"] = short_s / long_s
         summary[f"long_in_mix_over_alone_{m}"] = long_s / get(m, "long only")["completion_s"][0]
+        summary[f"short_in_mix_over_alone_{m}"] = short_s / get(m, "mixed only")["completion_s"][0]
+        summary[f"mix_long_s_{m}"], summary[f"mix_short_s_{m}"] = long_s, short_s
     return rows, {**summary, "warmup": warm}
 
 
@@ -296,9 +306,11 @@ def main():
     print(f"\ncontinuous / static tokens/s (mix): {agents['continuous_over_static_tok_s']:.2f}x (goal >= 3)")
     print(f"mix / long agents alone (wall): continuous {agents['mix_over_long_alone_continuous']:.2f}x "
           f"(goal <= 1.3), static {agents['mix_over_long_alone_static']:.2f}x")
-    for m in ("continuous", "static"):
+    for m, _ in MODES:
         print(f"{m}: mixed agents / long sessions completion in the mix {agents[f'mix_short_over_long_{m}']:.2f} "
-              f"(goal <= 0.5); long sessions in the mix / alone {agents[f'long_in_mix_over_alone_{m}']:.2f} (goal <= 2)")
+              f"(goal <= 0.5; {agents[f'mix_short_s_{m}']:.2f} s / {agents[f'mix_long_s_{m}']:.2f} s); in the mix / "
+              f"alone: long sessions {agents[f'long_in_mix_over_alone_{m}']:.2f} (goal <= 2), mixed agents "
+              f"{agents[f'short_in_mix_over_alone_{m}']:.2f}")
     for mode, w in agents["warmup"].items():
         print(f"{mode} server: {w.get('programs')} programs, warm-up {w.get('seconds', 0):.1f} s, ready after "
               f"{w['ready_s']:.1f} s, compiled after warm-up: {w.get('compiled_after_warmup')}")
