@@ -256,7 +256,6 @@ def _varied(rng, prompts, GenerateRequest):
 def bench_decode(configs, batches, new=64, prompt=32) -> list[dict]:
     from flax import nnx
 
-    from experiments.bench_decode import PROMPT as HF_SLICE
     from experiments.bench_decode import _hf, _hf_threads, _load_hf
     from models import MoeConfig, MoeTransformer
     from r3jax.engine import Engine, GenerateRequest
@@ -274,8 +273,7 @@ def bench_decode(configs, batches, new=64, prompt=32) -> list[dict]:
             outs = eng.generate(reqs)  # compiles what this shape uses
             ours = min(_timed(lambda: eng.generate(reqs)) for _ in range(3 if name == "tiny" else 2))
             threads = _hf_threads(hf, prompts)
-            theirs, hf_ids = min((_hf(hf, prompts, new, threads) for _ in range(2)), key=lambda x: x[0])
-            hf_ids = hf_ids[:, prompt - HF_SLICE:]  # _hf cuts bench_decode's prompt length off the front
+            theirs, hf_ids = min((_hf(hf, prompts, new, threads) for _ in range(2)), key=lambda x: x[0])  # new ids
             same = float(np.mean([o.output_ids == list(h) for o, h in zip(outs, hf_ids.tolist())]))
             rows.append({"config": name, "moe_impl": eng.config.moe_impl, "B": b, "new_tokens": new,
                          "ours_tok_s": b * new / ours, "hf_tok_s": b * new / theirs, "ours_over_hf": theirs / ours,
