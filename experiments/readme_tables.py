@@ -150,14 +150,19 @@ SECTIONS = [
             "`decode_steps` decode steps, or one mixed prefill + decode step); `step_ms`: wall ÷ calls.", bench_dtype),
     Section("bench_engine", "Continuous batching", "python -m experiments.bench_engine",
             "Async multi-turn agents over HTTP on a long-tailed mix of turn lengths, the paged engine's continuous "
-            "batching against its `--static` batch-to-completion mode (`python -m r3jax serve --model tiny`, 32 "
-            "requests at once); in-process latency and compilation counts. `ms_per_call`: wall ÷ device calls "
-            "that decode (a call runs a decode loop of up to 8 steps, or one mixed step); `mean_live_slots`: tokens "
-            "decoded per such call (rows × steps). In this run the mixed agents' goal is missed: they (8 turns "
-            "each, mostly 8 tokens a turn) finish after the long sessions (3 turns of 96 tokens: mixed ÷ long "
-            "1.13, goal ≤ 0.5), and the long sessions take 5.1× as long in the mix as alone, past their goal "
-            "(≤ 2); alone they take 0.19 s, so that ratio moves a lot from run to run, and "
-            "the mix's does too (each is one run of a workload of about two seconds).",
+            "batching against its `--static` batch-to-completion mode and against one decode step a device call "
+            "(`--decode-steps 1`, server `one_step`) (`python -m r3jax serve --model tiny`, 32 requests at once); "
+            "in-process latency and compilation counts. `ms_per_call`: wall ÷ device calls that decode (a call runs "
+            "a decode loop of up to 8 steps, or one mixed step); `mean_live_slots`: tokens decoded per such call "
+            "(rows × steps). In this run the mixed agents' goal is missed: they finish after the long sessions "
+            "(mixed ÷ long 1.47, goal ≤ 0.5). In this workload they are not the short ones: their 8 turns, each a "
+            "request over HTTP on a 2-core machine that also runs the model, take them 0.86 s alone, against 0.16 s "
+            "for the long sessions' 3 turns of 96 tokens; in the mix the mixed agents take 1.38× their time alone, "
+            "the long sessions 5.1× theirs (goal ≤ 2). With one decode step a call the mixed agents finish at 0.77 "
+            "of the long sessions because the long sessions are slower (1.42 s against 0.81), not because the "
+            "mixed agents are faster (1.10 s against 1.19). Each figure is one run of a workload of about a second "
+            "and moves a lot from run to run (continuous ÷ static tokens/s on the mix: 0.92 here, 1.14 in the run "
+            "at 6a871d9).",
             bench_engine),
     Section("bench_paged", "The paged engine (beside the fixed-slot engine it replaced)", "python -m experiments.bench_paged",
             "Tiny model in process, max_seq_len 512, 8 requests at once, seeded request streams: programs and "
