@@ -15,7 +15,9 @@ creates on first use) runs on the peer config only: it computes every layer as M
 its figure is the best of its runs after a compiling call, in a subprocess between ours. Each figure is the best of its runs: ours with
 capture on and off alternate, and HF's runs are spread between them, so load from other processes
 hits all three alike. "capture on" returns every route row (s = 0); "capture off" asks for none,
-so the engine runs its programs without the route-buffer writes. HF: the model exported with
+so the engine runs its programs without the route-buffer writes; ``capture_on_over_off`` is the ratio
+of their best runs, ``capture_on_over_off_paired`` the median over runs of on ÷ off run back to back
+(a paired estimate, steadier on a loaded machine). HF: the model exported with
 models.hf.save_pretrained, loaded by transformers.Qwen3MoeForCausalLM (fp32, torch CPU), plain
 `generate` (no router outputs: its fastest path), with torch's faster thread count on this machine
 (1 or all cores, picked per batch size by a short trial: hf_threads). hf_same_tokens: fraction of
@@ -164,6 +166,8 @@ def bench_vs_peers(name, model, impl, batches, new, repeats, hf_repeats, hf_mode
         row = {"config": name, "moe_impl": eng.config.moe_impl, "B": b, "prompt_tokens": prompt, "new_tokens": new,
                "repeats": repeats, "hf_repeats": len(times["hf"]), "hf_threads": threads,
                "ours_capture_on_tok_s": on, "ours_capture_off_tok_s": off, "capture_on_over_off": on / off,
+               # run r's on and off ran back to back: the median of their ratios shrugs off a lucky best run
+               "capture_on_over_off_paired": float(np.median(np.asarray(times["off"]) / np.asarray(times["on"]))),
                "hf_tok_s": hf, "ours_over_hf": on / hf, "hf_same_tokens": float(np.mean((ours == theirs).all(-1)))}
         if tunix is not None:
             row.update(tunix_tok_s=tunix["tok_s"], ours_over_tunix=on / tunix["tok_s"],
@@ -230,7 +234,8 @@ def main():
     print(table(impl_rows, ["config", "moe_impl", "B", "new_tokens", "tok_s"]))
     print("\n## Decode vs Hugging Face transformers generate and Tunix's Sampler (same weights, greedy)")
     print(table(rows, ["config", "moe_impl", "B", "prompt_tokens", "new_tokens", "ours_capture_on_tok_s",
-                       "ours_capture_off_tok_s", "capture_on_over_off", "hf_tok_s", "hf_threads", "ours_over_hf",
+                       "ours_capture_off_tok_s", "capture_on_over_off", "capture_on_over_off_paired", "hf_tok_s",
+                       "hf_threads", "ours_over_hf",
                        "hf_same_tokens", "tunix_tok_s", "ours_over_tunix", "tunix_same_tokens"]))
     print("\n## Multi-turn prefill work (tiny; 32-token first prompt, +16 user and +16 generated per turn)")
     print(table(turn_rows, ["turn", "prompt_tokens", "cached_tokens", "prefill_tokens_with_cache",

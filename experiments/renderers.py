@@ -157,7 +157,8 @@ def bench_decode(d: dict) -> str:
     rows = [_same_tokens_only([r], "ours_over_tunix", "tunix_same_tokens")[0] if "tunix_tok_s" in r else
             {**r, "tunix_tok_s": None, "ours_over_tunix": None} for r in rows]
     return (_t(rows, ["config", "moe_impl", "B", "prompt_tokens", "new_tokens", "ours_capture_on_tok_s",
-                      "ours_capture_off_tok_s", "capture_on_over_off", "hf_tok_s", "ours_over_hf", "hf_same_tokens",
+                      "ours_capture_off_tok_s", "capture_on_over_off", "capture_on_over_off_paired", "hf_tok_s",
+                      "ours_over_hf", "hf_same_tokens",
                       "tunix_tok_s", "ours_over_tunix"])
             + "\n\nExpert kernels inside the engine (tokens/s):\n\n"
             + _t(d["kernels"], ["config", "moe_impl", "B", "tok_s"])
