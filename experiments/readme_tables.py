@@ -157,14 +157,14 @@ SECTIONS = [
             "in-process latency and compilation counts. `ms_per_call`: wall ÷ device calls that decode (a call runs "
             "a decode loop of up to 8 steps, or one mixed step); `mean_live_slots`: tokens decoded per such call "
             "(rows × steps). In this run the mixed agents' goal is missed: they finish after the long sessions "
-            "(mixed ÷ long 1.47, goal ≤ 0.5). In this workload they are not the short ones: their 8 turns, each a "
-            "request over HTTP on a 2-core machine that also runs the model, take them 0.86 s alone, against 0.16 s "
-            "for the long sessions' 3 turns of 96 tokens; in the mix the mixed agents take 1.38× their time alone, "
-            "the long sessions 5.1× theirs (goal ≤ 2). With one decode step a call the mixed agents finish at 0.77 "
-            "of the long sessions because the long sessions are slower (1.42 s against 0.81), not because the "
-            "mixed agents are faster (1.10 s against 1.19). Each figure is one run of a workload of about a second "
-            "and moves a lot from run to run (continuous ÷ static tokens/s on the mix: 0.92 here, 1.14 in the run "
-            "at 6a871d9).",
+            "(mixed ÷ long 1.43, goal ≤ 0.5). In this workload they are not the short ones: their 8 turns, each a "
+            "request over HTTP on a 2-core machine that also runs the model, take them 0.85 s alone, against 0.23 s "
+            "for the long sessions' 3 turns of 96 tokens; in the mix the mixed agents take 1.43× their time alone, "
+            "the long sessions 3.7× theirs (goal ≤ 2). With one decode step a call the mixed agents finish at 0.83 "
+            "of the long sessions because the long sessions are slower (1.25 s against 0.85), not because the "
+            "mixed agents are much faster (1.03 s against 1.22). Each figure is one run of a workload of about a "
+            "second and moves a lot from run to run (continuous ÷ static tokens/s on the mix: 0.83 here, 0.92 and "
+            "1.14 in the runs at 93faf56 and 6a871d9, of the same engine code).",
             bench_engine),
     Section("bench_paged", "The paged engine (beside the fixed-slot engine it replaced)", "python -m experiments.bench_paged",
             "Tiny model in process, max_seq_len 512, 8 requests at once, seeded request streams: programs and "
