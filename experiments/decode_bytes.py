@@ -20,6 +20,13 @@ otherwise), and once more with one MoE layer more on the same layout. Per cell:
   full-vocabulary sort, which runs only when a row's top-k/top-p set spills past the sort-free path's
   candidates; ``without_sampler_ratio`` is (accessed - sampler) ÷ must-read, an estimate (the sampler
   fuses a little differently inside the step).
+- ``greedy_ratio`` and ``sampled_ratio``: the ``n``-layer program again, each traced as a call of
+  one kind runs it, ÷ must-read: with every row greedy (the sampler's conditional replaced by its greedy
+  branch: an argmax and a log-softmax), and with rows sampling at a temperature without top-k/top-p
+  (the random draw, the filter's conditional replaced by its pass-through branch: what an RL rollout
+  at temperature 1 runs). The engine compiles one program for every mix of sampling parameters and
+  picks the branch on device, so these are the bytes such a call moves, which the program's own
+  estimate (costliest branches) cannot show.
 - ``per_layer_ratio``: the extra layer's accessed ÷ its must-read (its weights and its share of the
   pool): what a layer moves, free of the embedding, head and sampler (with the kernel, its reads of the
   pool are not counted, so the figure can fall below 1; the scatter's share makes it grow slowly with
@@ -34,13 +41,15 @@ Writes experiments/results/decode_bytes.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu compiles for the topology; no TPU is opened
 
 COLUMNS = ["model", "layers", "attention", "params_mib", "kv_cache_mib", "must_read_mib", "accessed_mib",
-           "accessed_over_must_read", "sampler_mib", "without_sampler_ratio", "per_layer_ratio", "status"]
+           "accessed_over_must_read", "sampler_mib", "without_sampler_ratio", "greedy_ratio", "sampled_ratio",
+           "per_layer_ratio", "status"]
 MODELS = ("qwen3_30b_a3b", "olmoe_1b_7b", "mixtral_8x7b", "deepseek_v3")
 TOPOLOGY = {"qwen3_30b_a3b": "v5p:2x2x1", "olmoe_1b_7b": "v5p:2x2x1", "mixtral_8x7b": "v5p:2x2x1",
             "deepseek_v3": "v5p:2x2x1"}
@@ -64,6 +73,15 @@ def cell(name: str, topo_name: str, impl: str, *, layers: int, slots: int, seq_l
         runs.append((info, report))
         if report["status"] != "fits":
             break
+    if runs[-1][1]["status"] == "fits":
+        for kind in CALL_KINDS:  # the n-layer program as a call of each kind runs it
+            with call_kind(kind):
+                fn, args_k, _ = aot_cells.decode_program(base.replace(num_layers=n, scan_layers=False,
+                                                                      attention_impl=impl),
+                                                         devs, slots=slots, seq_len=seq_len, layout=layout)
+                runs.append((kind, aot_cells.compile_report(fn, args_k)))
+            if runs[-1][1]["status"] != "fits":
+                break
     info, report = runs[0]
     must = info["params_bytes"] + info["kv_cache_bytes"]
     row = {"model": name, "layers": n, "topology": topo_name, "attention": impl,
@@ -74,14 +92,40 @@ def cell(name: str, topo_name: str, impl: str, *, layers: int, slots: int, seq_l
         row.update(status=bad["status"], error=bad.get("error", "")[:300], compile_s=time.perf_counter() - t0)
         return row
     info2, report2 = runs[1]
+    kinds = {kind: r["bytes_accessed"] for kind, r in runs[2:]}
     acc, layer_acc = report["bytes_accessed"], report2["bytes_accessed"] - report["bytes_accessed"]
     layer_must = info2["params_bytes"] + info2["kv_cache_bytes"] - must
     sampler = sampler_bytes(args, base.vocab_size, info["core_slots"])
     row.update(bytes_accessed=acc, accessed_over_must_read=acc / must, peak_bytes=report["peak_bytes"],
                sampler_bytes=sampler, without_sampler_ratio=(acc - sampler) / must,
+               greedy_bytes=kinds["greedy"], greedy_ratio=kinds["greedy"] / must,
+               sampled_bytes=kinds["sampled"], sampled_ratio=kinds["sampled"] / must,
                layer_accessed_bytes=layer_acc, layer_must_read_bytes=layer_must, per_layer_ratio=layer_acc / layer_must,
                compile_s=time.perf_counter() - t0)
     return row
+
+
+CALL_KINDS = ("greedy", "sampled")
+
+
+@contextlib.contextmanager
+def call_kind(kind: str):
+    """Trace the engine's step as a call of ``kind`` runs it: "greedy" (every row greedy: the sampler's
+    greedy branch) or "sampled" (rows at a temperature, no top-k/top-p: the sampling branch with the
+    filter's pass-through). Patches the names the step and the sampler look up at trace time."""
+    from unittest import mock
+
+    from r3jax.engine import sampling, step
+
+    if kind == "greedy":
+        patch = mock.patch.object(step, "sample_with_logprobs", sampling._greedy)
+    elif kind == "sampled":
+        patch = mock.patch.object(step, "sample_with_logprobs", sampling._sample_hot)
+    else:
+        raise ValueError(f"call kind {kind!r}: expected one of {CALL_KINDS}")
+    unfiltered = mock.patch.object(sampling, "filter_logits", lambda scaled, *a, **k: scaled)
+    with patch, unfiltered:
+        yield
 
 
 def sampler_bytes(args, vocab: int, rows: int) -> float:

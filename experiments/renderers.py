@@ -202,7 +202,8 @@ def bench_engine(d: dict) -> str:
 
 def decode_bytes(d: dict) -> str:
     cols = [c for c in ["model", "layers", "attention", "params_mib", "kv_cache_mib", "must_read_mib", "accessed_mib",
-                        "accessed_over_must_read", "sampler_mib", "without_sampler_ratio", "per_layer_ratio", "status"]
+                        "accessed_over_must_read", "sampler_mib", "without_sampler_ratio", "greedy_ratio",
+                        "sampled_ratio", "per_layer_ratio", "status"]
             if any(c in r for r in d["rows"])]
     return _t([{c: r.get(c) for c in cols} for r in d["rows"]], cols)
 
