@@ -101,7 +101,7 @@ SECTIONS = [
             "the trainer router's own top-k against the rollout's, in the first update of each batch. Final "
             "reward: mean of the last quarter of the steps ± 95% CI over seeds; p99 |log ratio|: median over "
             "steps of each step's p99 of |log π_train − log π_rollout| over targets. Only cells with every seed "
-            "are quoted. Most runs were made by two processes side by side on the 2 cores, so step seconds "
+            "are quoted. The runs were made by two processes side by side on the 2 cores, so step seconds "
             "are under load; a time ratio pairs only runs of one commit.", replay_dose),
     Section("replay_mismatch", "Train–rollout mismatch with and without replay", "python -m experiments.replay_mismatch",
             "Random-init models; the engine samples in bf16 with its LM head in fp32 (its default), in bf16 with "
