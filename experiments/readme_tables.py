@@ -211,14 +211,20 @@ SECTIONS = [
             "kernel its reads of the pool are not counted, so it can fall below 1). `sampler_mib`: the sampler "
             "compiled alone on the step's logits, its costliest branch (the full-vocabulary sort a top-p row "
             "whose nucleus spills past 256 candidates needs); `without_sampler_ratio`: (accessed − sampler) ÷ "
-            "must-read, an estimate. `auto` is the Pallas ragged paged attention kernel where it covers the model "
+            "must-read, an estimate. `greedy_ratio` / `sampled_ratio`: the 2-layer program traced as a call of "
+            "one kind runs it (every row greedy: the sampler's greedy branch; rows sampling at a temperature "
+            "without top-k/top-p, as RL rollouts do: the random draw, no filter) ÷ must-read; the engine runs "
+            "one program for every mix and takes these branches on device. `auto` is the Pallas ragged paged "
+            "attention kernel where it covers the model "
             "(its figure is what runs outside the kernel, which reads the pool in place: the engine stores GQA "
             "keys and values in the kernel's combined layout; MLA's latent cache runs `xla`), `xla` our "
             "gather-over-pages loop (its loop over key blocks counted once: a lower bound). The layout is the "
             "scale plan's first choice (lane-aligned expert shares first, then the fewest resident bytes). In "
-            "this run the kernel path's program holds its goal (≤ 1.3) for olmoe, mixtral and deepseek_v3 (1.04, "
-            "1.14, 1.19), not for qwen3 (2.45): its sampler alone is 2,143 MiB (151,936 logits a row), 0.6 of "
-            "what its 2-layer program moves; without it 0.99, and one layer 1.08.", decode_bytes),
+            "this run the kernel path's program as compiled holds its goal (≤ 1.3) for olmoe, mixtral and "
+            "deepseek_v3 (1.04, 1.14, 1.19), not for qwen3 (2.45): its sampler alone is 2,143 MiB (151,936 "
+            "logits a row), 0.6 of what its 2-layer program moves. As a greedy call runs it, qwen3's step is "
+            "0.92 of its must-read and 1.03 as a sampling call (olmoe 0.63 / 0.65, mixtral 1.00 / 1.02, "
+            "deepseek_v3 1.16 / 1.16); one qwen3 layer 1.08.", decode_bytes),
     Section("bench_trace", "Routes, trace, batches", "python -m experiments.bench_trace",
             "Append + finalize of a `RoutedExpertTrace` (Qwen3-30B-A3B route shape) against re-concatenating the "
             "whole prefix every turn; bytes per route row in each wire form; padded against packed batches.",
