@@ -177,7 +177,7 @@ def bench_engine(d: dict) -> str:
              {"measure": "warm-up in process: programs / s",
               "value": f"{ip['in_process_warmup']['programs']} / {ip['in_process_warmup']['seconds']:.3g}"}]
     a = d.get("agents_summary", {})
-    for m in ("one_step", "static", "continuous"):
+    for m in ("small_100m", "one_step", "static", "continuous"):
         if f"mix_short_over_long_{m}" in a:
             alone = a.get(f"short_in_mix_over_alone_{m}")
             facts.insert(0, {"measure": f"{m}: mixed agents ÷ long sessions, completion in the mix (goal ≤ 0.5) / "
