@@ -45,8 +45,7 @@ import contextlib
 import os
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu compiles for the topology; no TPU is opened
-
+# the printed table's columns, and the measurements page's (experiments/renderers.py imports them)
 COLUMNS = ["model", "layers", "attention", "params_mib", "kv_cache_mib", "must_read_mib", "accessed_mib",
            "accessed_over_must_read", "sampler_mib", "without_sampler_ratio", "greedy_ratio", "sampled_ratio",
            "per_layer_ratio", "status"]
@@ -151,6 +150,7 @@ def sampler_bytes(args, vocab: int, rows: int) -> float:
 
 
 def main() -> None:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX loads: libtpu compiles for the topology, opens no TPU
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--layers", type=int, default=2, help="layers per model (unrolled; see the docstring)")

@@ -201,11 +201,9 @@ def bench_engine(d: dict) -> str:
 
 
 def decode_bytes(d: dict) -> str:
-    cols = [c for c in ["model", "layers", "attention", "params_mib", "kv_cache_mib", "must_read_mib", "accessed_mib",
-                        "accessed_over_must_read", "sampler_mib", "without_sampler_ratio", "greedy_ratio",
-                        "sampled_ratio", "per_layer_ratio", "status"]
-            if any(c in r for r in d["rows"])]
-    return _t([{c: r.get(c) for c in cols} for r in d["rows"]], cols)
+    from experiments.decode_bytes import COLUMNS
+
+    return _t([{c: r.get(c) for c in COLUMNS} for r in d["rows"]], COLUMNS)
 
 
 def bench_weight_sync(d: dict) -> str:
