@@ -5,11 +5,12 @@
 1. **Agents over HTTP.** ``python -m r3jax serve`` (tiny, 32 slots, prefix cache on) three times:
    continuous (default), ``--static`` (the old behaviour: a batch is admitted only when every slot is
    free and decodes to completion; same programs) and ``--decode-steps 1`` (one decode step a device
-   call: what multi-step decoding changes); then continuous on ``small_100m``, whose device steps are
-   some 20x tiny's, so the HTTP round trip of each turn weighs less against decoding. Async multi-turn agents (8 new user tokens a turn, greedy,
-   routes returned incrementally from the last captured row) run against each: ``LONG`` long sessions
-   (every turn ``LONG_GEN`` tokens) and ``MIXED`` agents whose every turn draws its length from a
-   long-tailed mix (``TURN_GEN`` with probabilities ``TURN_P``), together and each kind alone. Figures:
+   call: what multi-step decoding changes); then continuous on ``small_100m``, whose decode calls take
+   some 40x tiny's, so a turn's HTTP round trip weighs less against decoding. Async multi-turn agents
+   (8 new user tokens a turn, greedy, routes returned incrementally from the last captured row) run
+   against each: ``LONG`` long sessions (every turn ``LONG_GEN`` tokens) and ``MIXED`` agents whose
+   every turn draws its length from a long-tailed mix (``TURN_GEN`` with probabilities ``TURN_P``),
+   together and each kind alone. Figures:
    wall seconds, generated tokens/s, continuous ÷ static on the whole mix, mix ÷ the long sessions alone
    (how much the other agents slow the long sessions down), and each kind's mean completion in the mix
    against the other kind's and against its own alone (how much the other kind slows it down).
@@ -143,7 +144,8 @@ MODES = (("continuous", ()), ("static", ("--static",)), ("one_step", ("--decode-
 
 def bench_agents(quick: bool) -> tuple[list[dict], dict]:
     """The agents against each server mode (:data:`MODES`: the default; ``--static``; one decode step a
-    call; the default on small_100m), each workload once: the mix, the long sessions alone, the mixed agents alone."""
+    call; the default on small_100m), each workload once: the mix, the long sessions alone, the mixed
+    agents alone."""
     long_kind = (LONG, LONG_TURNS, LONG_GEN)
     short_kind = (MIXED, MIXED_TURNS if not quick else 4, None)
     rows, warm = [], {}
