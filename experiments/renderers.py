@@ -177,14 +177,14 @@ def bench_engine(d: dict) -> str:
              {"measure": "warm-up in process: programs / s",
               "value": f"{ip['in_process_warmup']['programs']} / {ip['in_process_warmup']['seconds']:.3g}"}]
     a = d.get("agents_summary", {})
-    for m in ("small_100m", "one_step", "static", "continuous"):
-        if f"mix_short_over_long_{m}" in a:
-            alone = a.get(f"short_in_mix_over_alone_{m}")
-            facts.insert(0, {"measure": f"{m}: mixed agents ÷ long sessions, completion in the mix (goal ≤ 0.5) / "
-                                        "long sessions in the mix ÷ alone (goal ≤ 2)"
-                                        + (" / mixed agents in the mix ÷ alone" if alone is not None else ""),
-                             "value": f"{a[f'mix_short_over_long_{m}']:.3g} / {a[f'long_in_mix_over_alone_{m}']:.3g}"
-                                      + (f" / {alone:.3g}" if alone is not None else "")})
+    prefix = "mix_short_over_long_"  # one per server mode the run had (bench_engine.MODES), in its order
+    for m in reversed([k[len(prefix):] for k in a if k.startswith(prefix)]):
+        alone = a.get(f"short_in_mix_over_alone_{m}")
+        facts.insert(0, {"measure": f"{m}: mixed agents ÷ long sessions, completion in the mix (goal ≤ 0.5) / "
+                                    "long sessions in the mix ÷ alone (goal ≤ 2)"
+                                    + (" / mixed agents in the mix ÷ alone" if alone is not None else ""),
+                         "value": f"{a[f'mix_short_over_long_{m}']:.3g} / {a[f'long_in_mix_over_alone_{m}']:.3g}"
+                                  + (f" / {alone:.3g}" if alone is not None else "")})
     for m, w in a.get("warmup", {}).items():
         facts.append({"measure": f"{m} server: programs / ready after, s (cold persistent cache for the first)",
                       "value": f"{w.get('programs')} / {w['ready_s']:.3g}"})
