@@ -15,6 +15,9 @@ otherwise), and once more with one MoE layer more on the same layout. Per cell:
 
 - ``accessed_over_must_read``: the ``n``-layer program as compiled. The LM head and the sampler weigh
   as much there as ``L / n`` times what they would in the preset's ``L`` layers.
+- ``full_depth_ratio``: the program as compiled with the preset's ``L`` layers, all unrolled, on the
+  same layout (``full_depth_layers``): what the deployed step moves ÷ what it must read. Compiled only
+  where a chip of the slice holds that must-read (``full_depth_status`` says why not otherwise).
 - ``sampler_mib``: the sampler alone (:func:`r3jax.engine.sampling.sample_with_logprobs`) on the step's
   logits, sharded as the head's vocabulary, compiled by itself. Its costliest branch is the
   full-vocabulary sort, which runs only when a row's top-k/top-p set spills past the sort-free path's
@@ -47,7 +50,7 @@ import time
 
 # the printed table's columns, and the measurements page's (experiments/renderers.py imports them)
 COLUMNS = ["model", "layers", "attention", "params_mib", "kv_cache_mib", "must_read_mib", "accessed_mib",
-           "accessed_over_must_read", "sampler_mib", "without_sampler_ratio", "greedy_ratio", "sampled_ratio",
+           "accessed_over_must_read", "full_depth_ratio", "sampler_mib", "without_sampler_ratio", "greedy_ratio", "sampled_ratio",
            "per_layer_ratio", "status"]
 MODELS = ("qwen3_30b_a3b", "olmoe_1b_7b", "mixtral_8x7b", "deepseek_v3")
 TOPOLOGY = {"qwen3_30b_a3b": "v5p:2x2x1", "olmoe_1b_7b": "v5p:2x2x1", "mixtral_8x7b": "v5p:2x2x1",
@@ -99,9 +102,33 @@ def cell(name: str, topo_name: str, impl: str, *, layers: int, slots: int, seq_l
                sampler_bytes=sampler, without_sampler_ratio=(acc - sampler) / must,
                greedy_bytes=kinds["greedy"], greedy_ratio=kinds["greedy"] / must,
                sampled_bytes=kinds["sampled"], sampled_ratio=kinds["sampled"] / must,
-               layer_accessed_bytes=layer_acc, layer_must_read_bytes=layer_must, per_layer_ratio=layer_acc / layer_must,
+               layer_accessed_bytes=layer_acc, layer_must_read_bytes=layer_must, per_layer_ratio=layer_acc / layer_must)
+    row.update(full_depth(base, devs, impl, layout, must + (base.num_layers - n) * layer_must, slots=slots,
+                          seq_len=seq_len, hbm_bytes=topologies.topology(topo_name).hbm_bytes),
                compile_s=time.perf_counter() - t0)
     return row
+
+
+def full_depth(base, devs, impl: str, layout, must_estimate: float, *, slots: int, seq_len: int,
+               hbm_bytes: int) -> dict:
+    """The program as compiled at the preset's own depth (its layers unrolled, the same layout), where a
+    chip holds what it must read (``must_estimate``: the n-layer must-read plus the extra layers' at the
+    measured per-layer size); its sampler and head then weigh what they do in the deployed model."""
+    from experiments import aot_cells
+
+    out = {"full_depth_layers": base.num_layers}
+    if must_estimate > hbm_bytes:
+        return out | {"full_depth_status": f"not compiled: must-read {must_estimate / 2**30:.0f} GiB a chip, "
+                                           f"more than its {hbm_bytes / 2**30:.0f} GiB"}
+    cfg = base.replace(scan_layers=False, attention_impl=impl)
+    fn, args, info = aot_cells.decode_program(cfg, devs, slots=slots, seq_len=seq_len, layout=layout)
+    report = aot_cells.compile_report(fn, args)
+    if report["status"] != "fits":
+        return out | {"full_depth_status": report["status"], "full_depth_error": report.get("error", "")[:300]}
+    must = info["params_bytes"] + info["kv_cache_bytes"]
+    return out | {"full_depth_status": "fits", "full_depth_must_read_bytes": must,
+                  "full_depth_accessed_bytes": report["bytes_accessed"],
+                  "full_depth_ratio": report["bytes_accessed"] / must}
 
 
 CALL_KINDS = ("greedy", "sampled")
