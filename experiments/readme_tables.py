@@ -226,12 +226,20 @@ SECTIONS = [
             "(its figure is what runs outside the kernel, which reads the pool in place: the engine stores GQA "
             "keys and values in the kernel's combined layout; MLA's latent cache runs `xla`), `xla` our "
             "gather-over-pages loop (its loop over key blocks counted once: a lower bound). The layout is the "
-            "scale plan's first choice (lane-aligned expert shares first, then the fewest resident bytes). In "
-            "this run the kernel path's program as compiled holds its goal (≤ 1.3) for olmoe, mixtral and "
-            "deepseek_v3 (1.04, 1.14, 1.19), not for qwen3 (2.45): its sampler alone is 2,143 MiB (151,936 "
-            "logits a row), 0.6 of what its 2-layer program moves. As a greedy call runs it, qwen3's step is "
-            "0.92 of its must-read and 1.03 as a sampling call (olmoe 0.63 / 0.65, mixtral 1.00 / 1.02, "
-            "deepseek_v3 1.16 / 1.16); one qwen3 layer 1.08.", decode_bytes),
+            "scale plan's first choice (lane-aligned expert shares first, then the fewest resident bytes). "
+            "`full_depth_ratio`: the program as compiled with the preset's own layers, all unrolled, on the same "
+            "layout (qwen3 48, olmoe 16, mixtral 32; deepseek_v3's 61 layers need 345 GiB a chip on this slice, "
+            "more than its 95, so it has only its 4-layer figure), where the head and the sampler weigh what "
+            "they do in the deployed model. In this run the kernel path holds its goal (≤ 1.3) at full depth for "
+            "every model compiled there: qwen3 1.24, olmoe 0.71, mixtral 1.09, and deepseek_v3's 4-layer program "
+            "1.19. qwen3's 2-layer program (2.45) weighs its sampler 24 times: the sampler alone is 2,143 MiB "
+            "(151,936 logits a row), 0.6 of what that program moves. As a greedy call runs it, qwen3's 2-layer "
+            "step is 0.92 of its must-read and 1.03 as a sampling call (olmoe 0.63 / 0.65, mixtral 1.00 / 1.02, "
+            "deepseek_v3 1.16 / 1.16); one qwen3 layer 1.08. The `xla` path grows faster than its layers for "
+            "qwen3 (28.9 at 48 layers) and mixtral (11.1 at 32), both with 2 KV heads a chip: after each "
+            "layer's write of its new keys and values, the compiled program copies the whole stacked pool "
+            "(every layer's pages) into the layout its key-block loop reads, so a step moves the pool once per "
+            "layer. olmoe (4 KV heads a chip, 0.97) has no such copy.", decode_bytes),
     Section("bench_trace", "Routes, trace, batches", "python -m experiments.bench_trace",
             "Append + finalize of a `RoutedExpertTrace` (Qwen3-30B-A3B route shape) against re-concatenating the "
             "whole prefix every turn; bytes per route row in each wire form; padded against packed batches.",
