@@ -45,8 +45,8 @@ def filter_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, rows: j
 
     scaled [B, V] f32 (temperature already applied), top_k [B] int32 (0: off), top_p [B] f32 (1: off);
     rows [B] bool: the rows whose result is used (default all). The nucleus is the shortest prefix of
-    the sorted tokens whose mass reaches top_p (at least one token). Tokens tied with the last kept
-    value are kept too.
+    the sorted tokens whose mass reaches top_p (at least one token; top_p >= 1: all of the row's top k).
+    Tokens tied with the last kept value are kept too.
 
     No full-vocabulary sort when it is not needed: the ``candidates`` largest logits of each row
     (``lax.top_k``) decide every row whose set lies inside them (top_k <= candidates, or a top-p-only
@@ -61,11 +61,13 @@ def filter_logits(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array, rows: j
     top, _ = jax.lax.top_k(scaled, candidates)  # [B, C] descending
     lse = jax.nn.logsumexp(scaled, axis=-1)
     whole = k == v  # top-p only: the nucleus is taken under the full distribution
-    fits = (k <= candidates) | (whole & (jnp.exp(top - lse[:, None]).sum(-1) >= top_p))
+    off = whole & (top_p >= 1.0)  # nothing to filter: the row as it is
+    fits = (k <= candidates) | off | (whole & (jnp.exp(top - lse[:, None]).sum(-1) >= top_p))
     used = jnp.ones_like(fits) if rows is None else rows
-    return jax.lax.cond(jnp.all(fits | ~used),
-                        lambda x: _nucleus(x, top, k, top_p, jnp.where(whole, lse, jnp.nan)),
-                        lambda x: _nucleus(x, -jnp.sort(-x, axis=-1), k, top_p, None), scaled)
+    filtered = jax.lax.cond(jnp.all(fits | ~used),
+                            lambda x: _nucleus(x, top, k, top_p, jnp.where(whole, lse, jnp.nan)),
+                            lambda x: _nucleus(x, -jnp.sort(-x, axis=-1), k, top_p, None), scaled)
+    return jnp.where(off[:, None], scaled, filtered)
 
 
 def _nucleus(scaled, desc, k, top_p, lse):
@@ -78,7 +80,8 @@ def _nucleus(scaled, desc, k, top_p, lse):
     if lse is not None:
         probs = jnp.where(jnp.isnan(lse)[:, None], probs, jnp.exp(desc - jnp.nan_to_num(lse)[:, None]))
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = in_k & (mass_before < top_p[:, None])  # a prefix of the ranks; rank 0 always kept
+    # a prefix of the ranks; rank 0 always kept; top_p >= 1 keeps all k (no rounding of the tail's mass)
+    keep = in_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
     n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
     threshold = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)
     return jnp.where(scaled >= threshold, scaled, _NEG_INF)

@@ -83,7 +83,7 @@ def _sorted_filter(scaled, top_k, top_p):
         p = np.exp(desc[:k] - desc[0])
         p /= p.sum()
         before = np.cumsum(p) - p
-        n = max(int(np.sum(before < top_p[r])), 1)
+        n = max(int(np.sum((before < top_p[r]) | (top_p[r] >= 1))), 1)
         out[r] = np.where(row >= desc[n - 1], row, -np.inf)
     return out
 
@@ -99,6 +99,19 @@ def test_filter_without_a_full_sort_equals_the_sorted_definition(spread):
         got = np.asarray(jax.jit(lambda *a: filter_logits(*a, candidates=32))(scaled, top_k, top_p, rows))
         np.testing.assert_array_equal(np.isinf(got[rows]), np.isinf(want[rows]))
         np.testing.assert_array_equal(got[rows][~np.isinf(got[rows])], want[rows][~np.isinf(want[rows])])
+
+
+def test_top_p_one_keeps_all_of_the_top_k_however_small_the_tail():
+    """top_p = 1 with top_k keeps exactly the top k, on the candidates' path and on the sorting one,
+    even where the mass before the tail rounds to 1 in f32 (one logit 50 above the rest)."""
+    row = np.concatenate([[50.0], np.linspace(0.0, -1.0, 299)]).astype(np.float32)
+    scaled = np.stack([row, row, row])
+    top_k = np.array([5, 200, 0], np.int32)  # 200 > the 8 candidates: the sorting path
+    top_p = np.ones(3, np.float32)
+    for rows in (None, np.ones(3, bool)):
+        got = np.asarray(jax.jit(lambda *a: filter_logits(*a, candidates=8))(scaled, top_k, top_p, rows))
+        assert np.isfinite(got).sum(axis=1).tolist() == [5, 200, 300]
+        np.testing.assert_array_equal(got[1][np.isfinite(got[1])], row[:200])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
