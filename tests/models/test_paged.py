@@ -36,12 +36,13 @@ def _step(rng, lay: RaggedLayout, kv_lens, chunks):
     return meta, jnp.asarray(pos)[None]
 
 
+@pytest.mark.parametrize("block_pages", [2, 8])  # a loop over key blocks; every table in one block
 @pytest.mark.parametrize("bits", [False, True])
 @pytest.mark.parametrize("heads,kv_heads,parts", [(4, 2, (8,)), (4, 1, (6, 2))])  # GQA; MLA-like latent key
-def test_ragged_attention_equals_the_dense_reference(bits, heads, kv_heads, parts):
+def test_ragged_attention_equals_the_dense_reference(bits, heads, kv_heads, parts, block_pages):
     rng = np.random.default_rng(0)
     dtype = jnp.bfloat16 if bits else jnp.float32
-    lay = RaggedLayout(decode_rows=3, prefill_rows=2, prefill_len=5, pages_per_row=8, block_pages=2)
+    lay = RaggedLayout(decode_rows=3, prefill_rows=2, prefill_len=5, pages_per_row=8, block_pages=block_pages)
     # decode rows ending mid-page, on a page boundary, and after one token; chunks: a first chunk and a
     # later one that starts mid-page and is padded
     meta, pos = _step(rng, lay, kv_lens=[7, 12, 1], chunks=[(0, 5), (9, 13)])
@@ -59,10 +60,11 @@ def test_ragged_attention_equals_the_dense_reference(bits, heads, kv_heads, part
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2 if bits else 1e-5)
 
 
-def test_keys_past_a_rows_length_do_not_change_it():
+@pytest.mark.parametrize("block_pages", [1, 4])
+def test_keys_past_a_rows_length_do_not_change_it(block_pages):
     """Pages hold stale keys of earlier owners; a row sees only positions <= its query's."""
     rng = np.random.default_rng(1)
-    lay = RaggedLayout(decode_rows=2, prefill_rows=1, prefill_len=4, pages_per_row=4, block_pages=1)
+    lay = RaggedLayout(decode_rows=2, prefill_rows=1, prefill_len=4, pages_per_row=4, block_pages=block_pages)
     meta, pos = _step(rng, lay, kv_lens=[6, 3], chunks=[(2, 5)])
     keys = (jnp.asarray(rng.normal(size=(PAGES, PS, 1, 8)), jnp.float32),)
     values = jnp.asarray(rng.normal(size=(PAGES, PS, 1, 8)), jnp.float32)
