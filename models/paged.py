@@ -21,8 +21,8 @@ attends over its row's pages to keys at positions ``<=`` its own, so a chunk see
 in the same step.
 
 Kernels (:func:`ragged_attention`, ``impl``): ``"pallas"``, the TPU Pallas ragged paged attention
-kernel (:mod:`models.ragged_tpu`; GQA with a head dim that is a multiple of 128; it converts the pool
-layout at the call, a full pool copy per layer and step, see there); ``"xla"``, an XLA kernel that
+kernel (:mod:`models.ragged_tpu`; GQA with a head dim that is a multiple of 128; it reads the combined
+pool in place, separate k and v pools it interleaves at the call, see there); ``"xla"``, an XLA kernel that
 walks the row's pages in blocks with an online softmax, for as many blocks as the longest row in the
 group needs (a dynamic trip count: a decode step reads the live pages only, never ``max_seq_len``);
 ``"auto"``: pallas when the target is a TPU and the kernel covers the call, xla otherwise. The target
@@ -263,6 +263,11 @@ def _paged_rows(q, keys, values, q_pos, table, kv_len, *, block_pages: int, scal
     # a combined pool's keys and values, on CPU: picked inside the gather (slicing a gathered block copies
     # it); elsewhere: sliced from one gathered block (the index form re-tiles the pool on TPU every step)
     pick_in_gather = combined and _target_platform() == "cpu"
+    if layer is not None and _target_platform() == "tpu":
+        # the layer's pages sliced out before the key-block loop: where XLA lays the loop's pages out
+        # anew (a few KV heads a chip), it then copies this layer's pages, not every layer's
+        keys = tuple(kp[layer] for kp in keys)
+        values, layer = (None if values is None else values[layer]), None
 
     def gather(pages, cols, half=None):  # pages [P, ps, Hkv, d] (or [n, P, ...] at layer) -> [R, block, Hkv, d]
         if half is not None:  # a combined pool viewed [.., Hkv, 2, d]: k (0) or v (1) picked in the gather

@@ -98,3 +98,30 @@ def test_write_puts_each_token_at_its_page_and_offset_bit_for_bit():
     written[np.asarray(page), np.asarray(offset)] = True
     written[0] = True  # the trash page takes the padding
     assert not out[~written].any()
+
+
+@pytest.mark.parametrize("block_pages", [2, 8])  # a loop over key blocks; every table in one block
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])  # the layer read in place; sliced out before the loop
+@pytest.mark.parametrize("form", ["separate", "combined", "latent"])
+def test_a_layer_of_stacked_pages_reads_as_that_layer_alone(monkeypatch, form, platform, block_pages):
+    import models.paged as paged
+
+    monkeypatch.setattr(paged, "_target_platform", lambda: platform)
+    rng = np.random.default_rng(2)
+    lay = RaggedLayout(decode_rows=2, prefill_rows=1, prefill_len=4, pages_per_row=8, block_pages=block_pages)
+    meta, pos = _step(rng, lay, kv_lens=[7, 3], chunks=[(2, 6)])
+    pool = lambda *hd: jnp.asarray(rng.normal(size=(3, PAGES, PS) + hd), jnp.float32)  # 3 stacked layers
+    if form == "combined":  # GQA keys and values interleaved by head, one pool
+        keys, values = (pool(4, 8),), None
+    elif form == "separate":
+        keys, values = (pool(2, 8),), pool(2, 8)
+    else:  # MLA-like: a two-part key, one KV head
+        keys, values = (pool(1, 6), pool(1, 2)), pool(1, 8)
+    q = jnp.asarray(rng.normal(size=(1, lay.tokens, 4, 8)), jnp.float32)
+    attend = jax.jit(lambda q, k, v, layer: ragged_attention(q, k, v, pos, meta, scale=0.4, dtype=jnp.float32,
+                                                             impl="xla", layer=layer), static_argnums=3)
+    got = attend(q, keys, values, 1)
+    alone = attend(q, tuple(k[1] for k in keys), None if values is None else values[1], None)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(alone), rtol=1e-6, atol=1e-6)
+    other = attend(q, tuple(k[2] for k in keys), None if values is None else values[2], None)
+    assert not np.allclose(np.asarray(got), np.asarray(other))  # the layer index matters
