@@ -50,8 +50,8 @@ import time
 
 # the printed table's columns, and the measurements page's (experiments/renderers.py imports them)
 COLUMNS = ["model", "layers", "attention", "params_mib", "kv_cache_mib", "must_read_mib", "accessed_mib",
-           "accessed_over_must_read", "full_depth_ratio", "sampler_mib", "without_sampler_ratio", "greedy_ratio", "sampled_ratio",
-           "per_layer_ratio", "status"]
+           "accessed_over_must_read", "full_depth_ratio", "sampler_mib", "without_sampler_ratio", "greedy_ratio",
+           "sampled_ratio", "per_layer_ratio", "status"]
 MODELS = ("qwen3_30b_a3b", "olmoe_1b_7b", "mixtral_8x7b", "deepseek_v3")
 TOPOLOGY = {"qwen3_30b_a3b": "v5p:2x2x1", "olmoe_1b_7b": "v5p:2x2x1", "mixtral_8x7b": "v5p:2x2x1",
             "deepseek_v3": "v5p:2x2x1"}
