@@ -195,8 +195,8 @@ SECTIONS = [
             "program timed alone (`device_ms`), so a call of the loop takes up to 8 × `device_ms` "
             "(`host_over_device` divides the host's work per call by one step). small_100m twice: its "
             "preset's scanned layers and the same model with `scan_layers=False`. In this run the host's "
-            "work per call is 0.7–1.9 ms for tiny against calls of 3.6–9.0 ms, and at most 3.1 ms against "
-            "82–491 ms for small_100m, whose scanned layout costs 2.4–3.6× the unrolled one per step "
+            "work per call is 0.7–2.4 ms for tiny against calls of 3.2–11.6 ms, and at most 2.3 ms against "
+            "78–538 ms for small_100m, whose scanned layout costs 2.4–3.4× the unrolled one per step "
             "(`device_ms`). B prompts submitted at once are prefilled up to 16 a step, so B = 32 and 64 take "
             "7 and 11 calls.",
             bench_step),
