@@ -230,15 +230,17 @@ SECTIONS = [
             "layout (qwen3 48, olmoe 16, mixtral 32; deepseek_v3's 61 layers need 345 GiB a chip on this slice, "
             "more than its 95, so it has only its 4-layer figure), where the head and the sampler weigh what "
             "they do in the deployed model. In this run the kernel path holds its goal (≤ 1.3) at full depth for "
-            "every model compiled there: qwen3 1.24, olmoe 0.71, mixtral 1.09, and deepseek_v3's 4-layer program "
-            "1.19. qwen3's 2-layer program (2.45) weighs its sampler 24 times: the sampler alone is 2,143 MiB "
-            "(151,936 logits a row), 0.6 of what that program moves. As a greedy call runs it, qwen3's 2-layer "
-            "step is 0.92 of its must-read and 1.03 as a sampling call (olmoe 0.63 / 0.65, mixtral 1.00 / 1.02, "
-            "deepseek_v3 1.16 / 1.16); one qwen3 layer 1.08. The `xla` path grows faster than its layers for "
-            "qwen3 (28.9 at 48 layers) and mixtral (11.1 at 32), both with 2 KV heads a chip: after each "
-            "layer's write of its new keys and values, the compiled program copies the whole stacked pool "
-            "(every layer's pages) into the layout its key-block loop reads, so a step moves the pool once per "
-            "layer. olmoe (4 KV heads a chip, 0.97) has no such copy.", decode_bytes),
+            "every model compiled there: qwen3 1.25, olmoe 0.71, mixtral 1.09; deepseek_v3 (MLA: its latent "
+            "cache runs `xla`) is 1.23 at 4 layers, one layer 1.33. qwen3's 2-layer program (2.49) weighs its "
+            "sampler 24 times: the sampler alone is 2,199 MiB (151,936 logits a row). As a greedy call runs it, "
+            "qwen3's 2-layer step is 0.92 of its must-read and 1.03 as a sampling call (olmoe 0.63 / 0.65, "
+            "mixtral 1.00 / 1.02, deepseek_v3 1.20 / 1.20); one qwen3 layer 1.08. On TPU the `xla` path slices "
+            "each layer's pages out of the stacked pool before its key-block loop. Where a chip holds 2 KV heads "
+            "(qwen3, mixtral) XLA lays the loop's pages out anew, and without the slice it copied the whole "
+            "stacked pool after every layer's write (28.9 and 11.1 at full depth at b850fdc); with it a layer "
+            "copies its own pages (2.54 and 1.79). Where the stack was read in place (olmoe, 4 KV heads a chip; "
+            "deepseek_v3's latent pool) the slice is itself that copy: olmoe 2.08 at full depth against 0.97, "
+            "deepseek_v3's layer 1.33 against 1.18.", decode_bytes),
     Section("bench_trace", "Routes, trace, batches", "python -m experiments.bench_trace",
             "Append + finalize of a `RoutedExpertTrace` (Qwen3-30B-A3B route shape) against re-concatenating the "
             "whole prefix every turn; bytes per route row in each wire form; padded against packed batches.",
