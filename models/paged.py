@@ -244,6 +244,13 @@ def _resolve(impl: str, q, keys, values, dtype) -> str:
     return "pallas"
 
 
+def _heads_a_chip(pages) -> int:
+    """The heads (dim -2) of ``pages`` that one chip holds: split over ``tensor`` where the mesh has it."""
+    mesh = jax.sharding.get_abstract_mesh()
+    tensor = 1 if mesh.empty else dict(mesh.shape).get("tensor", 1)
+    return max(pages.shape[-2] // tensor, 1)
+
+
 def _paged_rows(q, keys, values, q_pos, table, kv_len, *, block_pages: int, scale: float, dtype, layer=None):
     """Online-softmax attention of rows of queries over their page tables.
 
@@ -263,9 +270,11 @@ def _paged_rows(q, keys, values, q_pos, table, kv_len, *, block_pages: int, scal
     # a combined pool's keys and values, on CPU: picked inside the gather (slicing a gathered block copies
     # it); elsewhere: sliced from one gathered block (the index form re-tiles the pool on TPU every step)
     pick_in_gather = combined and _target_platform() == "cpu"
-    if layer is not None and _target_platform() == "tpu":
-        # the layer's pages sliced out before the key-block loop: where XLA lays the loop's pages out
-        # anew (a few KV heads a chip), it then copies this layer's pages, not every layer's
+    if layer is not None and combined and _target_platform() == "tpu" and _heads_a_chip(like) < 8:
+        # the layer's pages sliced out before the key-block loop: with under 8 interleaved k/v heads a chip
+        # XLA lays the loop's pages out anew and copies the pool it reads after every layer's write, so the
+        # copy is this layer's, not the whole stack's; with more heads (or a latent pool) the stack is read
+        # in place and a slice would itself be the copy
         keys = tuple(kp[layer] for kp in keys)
         values, layer = (None if values is None else values[layer]), None
 
