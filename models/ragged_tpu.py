@@ -49,13 +49,14 @@ block-size lookup (``get_tuned_block_sizes``) always asks ``jax.devices()[0]``, 
 :func:`block_sizes` does the same lookup for the target device kind and the kernel is called with
 explicit block sizes.
 
-**Interpret mode** does not run this kernel on CPU in jax 0.10.2: its ``pallas_call`` takes no
-``interpret`` argument, and under ``pltpu.force_tpu_interpret_mode()`` the TPU interpreter fails on
-the kernel's reshape of a VMEM buffer (``kv_bufs...wait().reshape(...)``): ``AttributeError:
-'ReshapeTransform' object has no attribute 'indices'`` in ``jax/_src/pallas/mosaic/interpret/utils.py``
-(it handles indexer transforms only). The tests therefore check this adapter through the kernel's own
-pure-JAX reference, ``ref_ragged_paged_attention`` (same inputs, same contract), against
-:func:`models.paged.pages_reference`, and compile the real kernel for a TPU topology.
+**Interpret mode**: the kernel's ``pallas_call`` takes no ``interpret`` argument; under
+``pltpu.force_tpu_interpret_mode()`` jax 0.10.2's TPU interpreter stops at two of its memory accesses (a
+read through a reshaped VMEM ref, ``kv_bufs...wait().reshape(...)``, and a masked store into a buffer
+whose later dims are smaller than its first). The tests fill both gaps around the interpreter's own
+callbacks (tests/models/pallas_interpret.py) and run the real kernel on CPU against
+:func:`models.paged.pages_reference`, for separate pools and the engine's stacked combined pool; they
+also check this adapter through the kernel's pure-JAX reference, ``ref_ragged_paged_attention``, and
+compile the real kernel for a TPU topology.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The Pallas ragged paged attention path (models/ragged_tpu.py) and the kernel dispatch of
 models.paged.ragged_attention.
 
-On CPU the kernel itself cannot run (interpret mode fails on it in jax 0.10.2, see
-models/ragged_tpu.py), so the adapter is checked through the kernel's pure-JAX reference, which takes
-the same inputs, against pages_reference and the XLA kernel; with libtpu (.venv-tpu) the real kernel
-is compiled for a v5p slice ahead of time.
+On CPU the real kernel runs in Pallas's TPU interpreter (two gaps of jax 0.10.2's interpreter filled,
+tests/models/pallas_interpret.py) against pages_reference; the adapter is also checked through the
+kernel's pure-JAX reference, which takes the same inputs, against pages_reference and the XLA kernel;
+with libtpu (.venv-tpu) the real kernel is compiled for a v5p slice ahead of time.
 """
 
 from __future__ import annotations
@@ -196,23 +196,33 @@ def test_block_sizes_follow_the_target_device_kind():
     assert ragged_tpu.block_sizes(jnp.bfloat16, 8, 2, 128, 16, 64, 64, device_kind="TPU v4") == (32, 32)
 
 
-def test_pallas_interpret_mode_on_cpu():
-    """Runs the real kernel in the TPU interpreter; skipped, with the interpreter's error, while JAX's
-    interpreter cannot run it (jax 0.10.2: a reshape of a VMEM buffer, models/ragged_tpu.py)."""
-    from jax.experimental.pallas import tpu as pltpu
+def _interleaved(k, v, n=2):
+    """k, v [P, ps, Hkv, D] -> the engine's pool: ``n`` stacked layers [n, P, ps, 2 Hkv, D], k and v
+    interleaved by head, layer i holding (k, v) * (i + 1) so a wrong layer reads other values."""
+    kv = jnp.stack([k, v], axis=-2).reshape(*k.shape[:2], 2 * k.shape[2], k.shape[3])
+    return jnp.stack([kv * (i + 1) for i in range(n)])
+
+
+@pytest.mark.parametrize("form", ["separate", "stacked"])
+def test_pallas_kernel_in_interpret_mode_equals_the_reference(form):
+    """The real Pallas kernel, run by the TPU interpreter on CPU (its reads through reshaped VMEM refs
+    and its masked stores completed, tests/models/pallas_interpret.py), against pages_reference: separate
+    k and v pools, and the engine's stacked combined pool read at a layer."""
+    from tests.models.pallas_interpret import tpu_interpret
 
     q, k, v, pos, meta = _step(LAYOUT, DECODE, CHUNKS)
-    try:
-        with pltpu.force_tpu_interpret_mode():
-            got = np.asarray(paged.ragged_attention(q, (k,), v, pos, meta, scale=SCALE, dtype=jnp.float32,
-                                                    impl="pallas"))
-    except Exception as err:  # noqa: BLE001 - the interpreter's coverage is outside this project
-        cause = [line for line in str(err).splitlines() if line.strip()][-1]  # the callback's own error
-        pytest.skip(f"Pallas TPU interpret mode does not run ragged paged attention here: {type(err).__name__}: "
-                    f"{cause[:200]}")
-    want = paged.pages_reference(q, (k,), v, pos, meta, scale=SCALE)
+    if form == "separate":
+        keys, values, layer, scale = (k,), v, None, 1
+    else:
+        keys, values, layer, scale = (_interleaved(k, v),), None, jnp.int32(1), 2
+    with tpu_interpret():
+        got = np.asarray(jax.jit(lambda q, keys, values, layer: paged.ragged_attention(
+            q, keys, values, pos, meta, scale=SCALE, dtype=jnp.float32, impl="pallas", layer=layer))(
+                q, keys, values, layer))
+    want = np.asarray(paged.pages_reference(q, (k * scale,), v * scale, pos, meta, scale=SCALE))
     real = _real_tokens(LAYOUT, CHUNKS)
     np.testing.assert_allclose(got[:, real], want[:, real], atol=2e-5)
+    assert np.abs(want[:, real]).max() > 0.1  # not a comparison of zeros
 
 
 def test_ragged_paged_attention_compiles_for_a_tpu_topology():
