@@ -256,11 +256,30 @@ class Engine:
         :class:`r3jax.engine.EngineAborted` when a weight update aborts it (retry it), with the error of
         a device step that failed while it ran (the engine recovers and serves the next ones), and with
         :class:`r3jax.engine.EngineFailedError` when the engine cannot continue."""
+        return self._sched.submit(self._job(request, on_token))[0]
+
+    def submit_many(self, requests: Sequence[GenerateRequest], on_tokens=None) -> list[concurrent.futures.Future]:
+        """:meth:`submit` of several requests at once: all are validated before any is queued (FieldError
+        naming ``requests[i].field``), then queued together, so the scheduler admits them in one step as
+        the pool and batch allow (a group of samples of one prompt prefills it once). ``on_tokens``: one
+        callback (or None) per request."""
+        on_tokens = [None] * len(requests) if on_tokens is None else list(on_tokens)
+        if len(on_tokens) != len(requests):
+            raise FieldError("on_tokens", len(on_tokens), f"one per request ({len(requests)})")
+        jobs = []
+        for i, (req, on_token) in enumerate(zip(requests, on_tokens)):
+            try:
+                jobs.append(self._job(req, on_token))
+            except FieldError as e:
+                raise e.within(f"requests[{i}]") from None
+        return self._sched.submit(*jobs)
+
+    def _job(self, request: GenerateRequest, on_token=None):
         from r3jax.engine.loop import Job
 
         prompt = self._validate(request)
         seed = int(self._rng.integers(1 << 63)) if request.seed is None else int(request.seed)
-        return self._sched.submit(Job(request, prompt, seed, on_token=on_token))
+        return Job(request, prompt, seed, on_token=on_token)
 
     async def submit_async(self, request: GenerateRequest) -> GenerateOutput:
         """:meth:`submit` for asyncio callers; cancelling the awaiting task cancels the request."""
@@ -268,8 +287,10 @@ class Engine:
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
         """Continue every request; outputs come back in request order. Every request is validated
-        before any is queued (FieldError naming ``requests[i].field``)."""
-        return generate_all(requests, self._validate, self.submit)
+        before any is queued (FieldError naming ``requests[i].field``), and all are queued at once: the
+        scheduler admits them together, as the pool and batch allow (a group of samples of one prompt
+        prefills it once)."""
+        return generate_all(requests, self._validate, self.submit_many)
 
     def set_weights(self, params_state, abort_in_flight: bool = False, *, mode: str | None = None,
                     version: int | None = None) -> int:
@@ -474,8 +495,8 @@ class Engine:
 
 def generate_all(requests: Sequence[GenerateRequest], validate, submit) -> list[GenerateOutput]:
     """``generate`` of an engine or a group of engines: every request checked by ``validate`` before
-    any is ``submit``-ted, then the outputs in request order; if waiting is interrupted (or one
-    fails), the others are cancelled."""
+    ``submit(requests)`` queues them (a list of futures back), then the outputs in request order; if
+    waiting is interrupted (or one fails), the others are cancelled."""
     if isinstance(requests, GenerateRequest) or not isinstance(requests, Sequence):
         raise FieldError("requests", type(requests).__name__, "a list of GenerateRequest",
                          f"requests={type(requests).__name__}: expected a list of GenerateRequest")
@@ -487,7 +508,7 @@ def generate_all(requests: Sequence[GenerateRequest], validate, submit) -> list[
             validate(req)
         except FieldError as e:
             raise e.within(f"requests[{i}]") from None
-    futures = [submit(r) for r in requests]
+    futures = submit(list(requests))
     try:
         return [f.result() for f in futures]
     except BaseException:

@@ -137,12 +137,25 @@ class EngineGroup:
             request = dataclasses.replace(request, seed=int(self._rng.integers(1 << 63)))
         return self.cores[self._route(prompt)].submit(request, on_token)
 
+    def submit_many(self, requests: Sequence[GenerateRequest], on_tokens=None) -> list[concurrent.futures.Future]:
+        """:meth:`Engine.submit_many` over the cores: all validated before any is queued, then each routed
+        as it is submitted (samples of one prompt follow its pages to one core)."""
+        on_tokens = [None] * len(requests) if on_tokens is None else list(on_tokens)
+        if len(on_tokens) != len(requests):
+            raise FieldError("on_tokens", len(on_tokens), f"one per request ({len(requests)})")
+        for i, req in enumerate(requests):
+            try:
+                self.cores[0]._validate(req)
+            except FieldError as e:
+                raise e.within(f"requests[{i}]") from None
+        return [self.submit(r, f) for r, f in zip(requests, on_tokens)]
+
     async def submit_async(self, request: GenerateRequest) -> GenerateOutput:
         return await asyncio.wrap_future(self.submit(request))
 
     def generate(self, requests: Sequence[GenerateRequest]) -> list[GenerateOutput]:
         """Continue every request (validated before any is queued); outputs in request order."""
-        return generate_all(requests, self.cores[0]._validate, self.submit)
+        return generate_all(requests, self.cores[0]._validate, self.submit_many)
 
     def set_weights(self, params_state, abort_in_flight: bool = False, *, mode: str | None = None,
                     version: int | None = None) -> int:

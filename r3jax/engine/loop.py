@@ -104,12 +104,13 @@ class Loop(Admission):
         return len(self.waiting)
 
     # ---- any thread --------------------------------------------------------------------------------
-    def submit(self, job: Job) -> concurrent.futures.Future:
+    def submit(self, *jobs: Job) -> list[concurrent.futures.Future]:
+        """Queue ``jobs`` together: the scheduler sees all of them or none at its next admission."""
         with self.cond:
             self._check_open("request not started")
-            self.waiting.append(job)
+            self.waiting.extend(jobs)
             self.cond.notify()
-        return job.future
+        return [job.future for job in jobs]
 
     def control(self, fn: Callable[[], Any], *, drain: bool, abort: str | None):
         """Run ``fn`` on the scheduler thread (after draining or aborting in-flight requests when asked)."""

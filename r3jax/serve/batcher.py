@@ -81,6 +81,32 @@ class EngineBridge:
         finally:
             self._in_flight -= 1
 
+    async def submit_many(self, requests: list, on_tokens: list | None = None) -> list:
+        """The engine's outputs for ``requests``, in order, queued together (``engine.submit_many``
+        where the engine has it: the scheduler admits them in one step, so samples of one prompt
+        prefill it once). The first error raises and cancels the others; so does cancelling this
+        await. Refusals as :meth:`submit`."""
+        many = getattr(self.engine, "submit_many", None)
+        if many is None or self._submit == self._generate_one:
+            return list(await asyncio.gather(*(self.submit(r, f) for r, f in zip(requests, on_tokens or
+                                                                               [None] * len(requests)))))
+        if self._closing:
+            raise ShuttingDown("server shutting down; request not started")
+        if self.queued >= self.max_queue:
+            raise Overloaded(f"{self.queued} requests queued (max_queue={self.max_queue}); retry later")
+        futures = many(requests, on_tokens if on_tokens and any(f is not None for f in on_tokens) else None)
+        self.stats["requests"] += len(futures)
+        self._in_flight += len(futures)
+        try:
+            return list(await asyncio.gather(*map(asyncio.wrap_future, futures)))
+        except asyncio.CancelledError:
+            self.stats["cancelled"] += sum(not f.done() for f in futures)
+            raise
+        finally:
+            for f in futures:
+                f.cancel()  # a no-op on those done; frees the pages of the others
+            self._in_flight -= len(futures)
+
     def _generate_one(self, request: Any) -> concurrent.futures.Future:
         """``engine.generate([request])`` on a worker thread, as a future that stays cancellable until done."""
         if self._workers is None:

@@ -73,26 +73,22 @@ class ServeContext:
         and samples that finished under different weights are :class:`Unavailable` (``aborted``).
         ``on_tokens``: each request's per-token callback (stop strings), or None."""
         self.count_session(reqs[0].session_id)
-        on_tokens = on_tokens or [None] * len(reqs)
-        tasks = [asyncio.ensure_future(self.bridge.submit(r, on_token=f)) for r, f in zip(reqs, on_tokens)]
-        every = asyncio.gather(*tasks)
+        every = asyncio.ensure_future(self.bridge.submit_many(reqs, on_tokens))  # one error cancels the rest
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({every, gone}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
-            _cancel(tasks)
+            every.cancel()
             raise
         finally:
             gone.cancel()
         if not every.done():  # the client went away: cancel, which frees the requests' pages
-            _cancel(tasks)
+            every.cancel()
             raise Disconnected()
         try:
             outs = every.result()
         except (ShuttingDown, EngineFailedError, EngineAborted) as e:
             raise unavailable(e) from None
-        finally:
-            _cancel(tasks)  # after one sample's error the others still run: nobody would read them
         if len({o.weight_version for o in outs}) > 1:
             raise Unavailable("the weights changed while the samples ran; retry the request", "aborted")
         return outs
@@ -126,12 +122,6 @@ def unavailable(e: BaseException) -> Unavailable:
     if isinstance(e, EngineAborted):  # stopped by a weight update: nothing was returned, retry it
         return Unavailable(str(e), "aborted")
     return Unavailable(str(e))  # ShuttingDown, Overloaded: not started, so safe to retry
-
-
-def _cancel(tasks) -> None:
-    for task in tasks:
-        if not task.done():
-            task.cancel()
 
 
 async def _disconnected(request: Request) -> None:

@@ -178,3 +178,19 @@ def test_on_token_answering_true_stops_the_request_there(engine):
     out = engine.submit(req, on_token=third).result(timeout=120)
     assert out.output_ids == full.output_ids[:3] and out.finish_reason == "stop" and seen == out.output_ids
     np.testing.assert_array_equal(out.routed_experts, full.routed_experts[:7 + 3 - 1])
+
+
+def test_submit_many_checks_every_request_before_queueing_any(engine):
+    from r3jax.checks import FieldError
+
+    steps = engine.stats["steps"]
+    good = GenerateRequest(prompt_ids=_prompt(1, 5), max_tokens=2, temperature=0.0)
+    with pytest.raises(FieldError, match=r"requests\[1\]\.max_tokens") as err:
+        engine.submit_many([good, GenerateRequest(prompt_ids=_prompt(2, 5), max_tokens=0)])
+    assert err.value.field == "requests[1].max_tokens"
+    with pytest.raises(FieldError, match="on_tokens") as err:
+        engine.submit_many([good, good], on_tokens=[None])
+    assert err.value.value == 1
+    assert engine.stats["steps"] == steps and engine.stats["queued"] == 0  # nothing was queued
+    outs = [f.result(timeout=60) for f in engine.submit_many([good, good])]
+    assert outs[0].output_ids == outs[1].output_ids == engine.generate([good])[0].output_ids
