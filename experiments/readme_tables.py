@@ -229,18 +229,18 @@ SECTIONS = [
             "`full_depth_ratio`: the program as compiled with the preset's own layers, all unrolled, on the same "
             "layout (qwen3 48, olmoe 16, mixtral 32; deepseek_v3's 61 layers need 345 GiB a chip on this slice, "
             "more than its 95, so it has only its 4-layer figure), where the head and the sampler weigh what "
-            "they do in the deployed model. In this run the kernel path holds its goal (≤ 1.3) at full depth for "
-            "every model compiled there: qwen3 1.25, olmoe 0.71, mixtral 1.09; deepseek_v3 (MLA: its latent "
-            "cache runs `xla`) is 1.23 at 4 layers, one layer 1.33. qwen3's 2-layer program (2.49) weighs its "
+            "they do in the deployed model. In this run the kernel path holds its goal (≤ 1.3) for "
+            "every model: at full depth qwen3 1.25, olmoe 0.71, mixtral 1.09; deepseek_v3 (MLA: its latent "
+            "cache runs `xla`) 1.19 at 4 layers, one layer 1.18. qwen3's 2-layer program (2.49) weighs its "
             "sampler 24 times: the sampler alone is 2,199 MiB (151,936 logits a row). As a greedy call runs it, "
             "qwen3's 2-layer step is 0.92 of its must-read and 1.03 as a sampling call (olmoe 0.63 / 0.65, "
-            "mixtral 1.00 / 1.02, deepseek_v3 1.20 / 1.20); one qwen3 layer 1.08. On TPU the `xla` path slices "
-            "each layer's pages out of the stacked pool before its key-block loop. Where a chip holds 2 KV heads "
-            "(qwen3, mixtral) XLA lays the loop's pages out anew, and without the slice it copied the whole "
-            "stacked pool after every layer's write (28.9 and 11.1 at full depth at b850fdc); with it a layer "
-            "copies its own pages (2.54 and 1.79). Where the stack was read in place (olmoe, 4 KV heads a chip; "
-            "deepseek_v3's latent pool) the slice is itself that copy: olmoe 2.08 at full depth against 0.97, "
-            "deepseek_v3's layer 1.33 against 1.18.", decode_bytes),
+            "mixtral 1.00 / 1.02, deepseek_v3 1.16 / 1.16); one qwen3 layer 1.08. On TPU the `xla` path slices "
+            "each layer's pages out of the stacked pool before its key-block loop where a chip holds fewer than "
+            "8 interleaved k/v heads (qwen3, mixtral: 4): there XLA lays the loop's pages out anew, and without "
+            "the slice it copied the whole stacked pool after every layer's write (28.9 and 11.1 at full depth "
+            "at b850fdc); with it a layer copies its own pages (2.54 and 1.79). Where the stack is read in place "
+            "(olmoe, 8 a chip; deepseek_v3's latent pool) nothing is sliced: olmoe's `xla` path 0.97 at full "
+            "depth.", decode_bytes),
     Section("bench_trace", "Routes, trace, batches", "python -m experiments.bench_trace",
             "Append + finalize of a `RoutedExpertTrace` (Qwen3-30B-A3B route shape) against re-concatenating the "
             "whole prefix every turn; bytes per route row in each wire form; padded against packed batches.",
