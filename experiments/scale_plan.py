@@ -239,16 +239,13 @@ def resident_report(resident: int, hbm: int) -> dict:
 
 
 def _commit() -> str:
-    """The code's git commit (+ "-dirty" with uncommitted changes): cells of other code differ."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (head or "unknown") + ("-dirty" if dirty else "")
+    """The code's git commit (+ "-dirty" with uncommitted changes): cells of other code differ. Result
+    files are outputs, not code (:func:`experiments.common.provenance`): a fresh result of another
+    experiment does not make a cell dirty."""
+    from experiments.common import provenance
+
+    p = provenance()
+    return p["commit"] + ("-dirty" if p["dirty"] and p["commit"] != "unknown" else "")
 
 
 def cell_key(c: dict) -> tuple:

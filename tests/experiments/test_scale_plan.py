@@ -201,3 +201,13 @@ def test_a_tpu_decode_order_puts_lane_aligned_layouts_first():
     aligned = [aot_cells.lane_aligned(cfg, t) for _, t, _ in order]
     assert aligned == sorted(aligned, reverse=True) and aligned[0] and not aligned[-1] and set(order) == set(
         aot_cells.decode_layouts(cfg, 4, RL_BATCH))
+
+
+def test_a_cells_commit_is_the_code_provenance_not_the_result_files(monkeypatch):
+    """A cell records ``experiments.common.provenance``: another experiment's fresh result file (an
+    output) leaves it clean; changed code marks it ``-dirty``."""
+    from experiments import common, scale_plan
+
+    for dirty, want in ((False, "abc1234"), (True, "abc1234-dirty")):
+        monkeypatch.setattr(common, "provenance", lambda dirty=dirty: {"commit": "abc1234", "dirty": dirty})
+        assert scale_plan._commit() == want
