@@ -4,7 +4,8 @@ experts of every token recorded.
 
 The public surface is :class:`Engine` (``submit`` / ``submit_async`` / ``generate`` / ``set_weights``
 / ``warmup`` / ``close``); the scheduling loop lives in :mod:`r3jax.engine.loop`, the step plan in
-:mod:`r3jax.engine.planner`, the device program in :mod:`r3jax.engine.step`, page bookkeeping in
+:mod:`r3jax.engine.planner`, layouts, programs and calls in :mod:`r3jax.engine.device`, the device
+program in :mod:`r3jax.engine.step`, page bookkeeping in
 :mod:`r3jax.engine.pages`, attention over pages in :mod:`models.paged`.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import time
 from typing import Sequence
 
 import jax
@@ -22,14 +22,13 @@ from flax import nnx
 
 from models import MoeConfig, MoeTransformer
 from models.cache import cache_bytes_per_token
-from models.paged import PagedCache, RaggedLayout
 from models.routers import RouterBias
 from models.weights import split_weights
 from r3jax.checks import FieldError, check_int
-from r3jax.engine import step as dev
 from r3jax.engine.pages import PagePool
-from r3jax.engine.programs import Programs, bucket, default_prefill_rows, fill, prefill_buckets, round_up
-from r3jax.engine.request import GREEDY_BELOW, GenerateOutput, GenerateRequest
+from r3jax.engine.device import DeviceSide
+from r3jax.engine.programs import Programs, default_prefill_rows, prefill_buckets, round_up
+from r3jax.engine.request import GREEDY_BELOW, GenerateOutput, GenerateRequest, each_checked, generate_all
 from r3jax.engine.sampling import seed_words
 from r3jax.engine.sharding import Placement
 from r3jax.routes import route_dtype
@@ -41,7 +40,7 @@ WEIGHT_UPDATE_MODES = ("wait", "keep", "abort")  # what set_weights does with ru
 BLOCK_TOKENS = 128  # keys per block of the XLA paged-attention loop (rounded to whole pages)
 
 
-class Engine:
+class Engine(DeviceSide):
     """Continuous batching over a paged KV + route pool for a :class:`models.MoeTransformer`.
 
     Every request owns a block table of ``block_size``-token pages in one pool; a prompt starting with
@@ -263,16 +262,7 @@ class Engine:
         naming ``requests[i].field``), then queued together, so the scheduler admits them in one step as
         the pool and batch allow (a group of samples of one prompt prefills it once). ``on_tokens``: one
         callback (or None) per request."""
-        on_tokens = [None] * len(requests) if on_tokens is None else list(on_tokens)
-        if len(on_tokens) != len(requests):
-            raise FieldError("on_tokens", len(on_tokens), f"one per request ({len(requests)})")
-        jobs = []
-        for i, (req, on_token) in enumerate(zip(requests, on_tokens)):
-            try:
-                jobs.append(self._job(req, on_token))
-            except FieldError as e:
-                raise e.within(f"requests[{i}]") from None
-        return self._sched.submit(*jobs)
+        return self._sched.submit(*each_checked(requests, on_tokens, self._job))
 
     def _job(self, request: GenerateRequest, on_token=None):
         from r3jax.engine.loop import Job
@@ -366,115 +356,6 @@ class Engine:
         return req.validate(vocab_size=self.config.vocab_size, max_seq_len=self.max_seq_len,
                             max_stop_tokens=self.max_stop_tokens)
 
-    def layouts(self) -> list[RaggedLayout]:
-        """Every step layout this engine can run (one program each)."""
-        return [self.layout(d, p) for d in self._decode_buckets for p in self._prefill_buckets
-                if p == 0 or d in self._mixed_buckets]
-
-    def prefill_rows_for(self, ready: int, prompts: int) -> int:
-        """Prefill rows the next step takes when ``ready`` chunks of ``prompts`` prompts wait: up to 4
-        (``prefill_rows`` if fewer), more only when that many prompts wait, as many as
-        :func:`r3jax.engine.programs.fill` gives them. So one long prompt, or a few, is prefilled in
-        steps of 4 rows that keep the requests decoding beside it at their pace; a batch of prompts
-        submitted at once (a GRPO step) in steps of up to ``prefill_rows``."""
-        return min(ready, max(min(4, self.prefill_rows), fill(prompts, self._prefill_buckets)))
-
-    def layout(self, decode_rows: int, prefill_rows: int) -> RaggedLayout:
-        rows = self._mixed_buckets if prefill_rows > 0 else self._decode_buckets
-        return RaggedLayout(decode_rows=bucket(max(decode_rows, 1), rows),
-                            prefill_rows=bucket(prefill_rows, self._prefill_buckets), prefill_len=self.prefill_chunk,
-                            pages_per_row=self._pages_per_row, block_pages=self._block_pages)
-
-    def step_program(self, decode_rows: int | None = None, prefill_rows: int = 0):
-        """The compiled program of the layout that serves ``decode_rows`` decode rows (default
-        ``max_batch_size``) and ``prefill_rows`` prefill rows (with ``decode_steps`` > 1 and no prefill
-        row: the ``decode_steps``-step decode loop): a ``jax.stages.Compiled`` whose ``as_text()``,
-        ``cost_analysis()`` and ``memory_analysis()`` show what one call does. Compiled on first use,
-        like every program (by the scheduler thread, between steps)."""
-        lay = self.layout(self.max_batch_size if decode_rows is None else decode_rows, prefill_rows)
-        return self._sched.control(lambda: self._program(lay, self._abstract_args(lay)), drain=False, abort=None)
-
-    def steps_of(self, lay: RaggedLayout) -> int:
-        """Decode steps one call of ``lay`` runs: ``decode_steps`` for a decode-only layout, else 1."""
-        return self.decode_steps if lay.prefill_rows == 0 else 1
-
-    def _program(self, lay: RaggedLayout, args: tuple):
-        if self.steps_of(lay) > 1:
-            return self.programs.get("decode", (lay, self.decode_steps, self.max_stop_tokens),
-                                     lambda: self._build(lay, True), *args)
-        return self.programs.get("step", lay, lambda: self._build(lay, False), *args)
-
-    def _warmup(self) -> dict:
-        t0, before, built = time.perf_counter(), len(self.programs), self.programs.compiles
-        disk = self.programs._disk
-        from_disk = 0 if disk is None else disk.loaded
-        hits = []
-
-        def count(event: str, **_):  # JAX's persistent compilation cache reports each hit
-            if event == "/jax/compilation_cache/cache_hits":
-                hits.append(1)
-
-        jax.monitoring.register_event_listener(count)
-        try:
-            for lay in self.layouts():
-                self._program(lay, self._abstract_args(lay))
-        finally:
-            jax.monitoring.unregister_event_listener(count)
-        self._sched.warmed = True
-        seconds = time.perf_counter() - t0
-        self._counters["warmup_s"] += seconds
-        built = self.programs.compiles - built
-        loaded = min(len(hits) + (0 if disk is None else disk.loaded - from_disk), built)
-        return {"programs": len(self.programs), "new": len(self.programs) - before, "seconds": seconds,
-                "loaded": loaded, "compiled": built - loaded}
-
-    def _init_state(self) -> None:
-        """A zeroed pool and ``last`` tokens, on the placement (no program of ours: jnp.zeros on device)."""
-        kv = self.placement.kv()  # [n, P, ps, Hc, Dc]: heads along tensor, pages whole
-        k, v = jax.eval_shape(lambda: PagedCache.init_pool(self.config, self.num_pages, self.block_size, bits=self._bits))
-        zeros = lambda a: jax.device_put(np.zeros(a.shape, a.dtype), kv)
-        self._k, self._v = tuple(map(zeros, k)), tuple(map(zeros, v))
-        self._last = self.placement.put(np.zeros((self.max_batch_size,), np.int32))
-
-    def _abstract_args(self, lay: RaggedLayout) -> tuple:
-        """A call's arguments with its inputs abstract: the packed vector (:func:`r3jax.engine.step.pack`)
-        and, for the decode loop, ``extra`` [R, 1 + max_stop_tokens] (budgets and stop ids), replicated."""
-        rep = self.placement.replicated
-        x = jax.ShapeDtypeStruct((dev.packed_size(lay),), np.int32, sharding=rep)
-        extra = jax.ShapeDtypeStruct((lay.rows, 1 + self.max_stop_tokens), np.int32, sharding=rep)
-        return self._params, self._rest, self._k, self._v, self._last, x, *((extra,) if self.steps_of(lay) > 1 else ())
-
-    def _build(self, lay: RaggedLayout, loop: bool):
-        common = dict(layout=lay, head_only=self._head_only, route_dtype=self.route_dtype)
-        if loop:
-            fn = functools.partial(dev.decode_loop, self._graphdef, steps=self.decode_steps, page_size=self.block_size,
-                                   route_shape=(self.config.num_moe_layers, self.config.top_k), **common)
-        else:
-            fn = functools.partial(dev.step, self._graphdef, **common)
-        mesh = self.placement.mesh
-        if mesh is not None:  # traced under the mesh: attention picks its kernel by the mesh's devices
-            inner = fn
-
-            def fn(*args):
-                with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-                    return inner(*args)
-        rep = self.placement.replicated
-        kv = self.placement.kv()
-        out = (tuple(kv for _ in self._k), tuple(kv for _ in self._v), rep, rep, rep, rep)
-        return fn, {"donate_argnums": (2, 3, 4), "out_shardings": out}
-
-    def dispatch(self, lay: RaggedLayout, x: dict[str, np.ndarray], extra: np.ndarray | None = None):
-        """Enqueue one call (a mixed step, or with ``extra`` the decode loop); returns its outputs
-        ``(tokens, logprobs, routes)`` as device arrays whose host copies have been started."""
-        args = (self._params, self._rest, self._k, self._v, self._last, self.placement.put(dev.pack(x, lay)))
-        if extra is not None:
-            args += (self.placement.put(extra),)
-        exe = self._program(lay, args)
-        self._k, self._v, self._last, tok, lp, routes = exe(*args)
-        for a in (tok, lp, routes):
-            a.copy_to_host_async()
-        return tok, lp, routes
-
     def prepare(self, job) -> dict[str, np.ndarray]:
         """The host-side sampling parameters of one request (built at admission). Whatever raises here
         fails this request alone (e.g. a value its dtype cannot hold), never the others."""
@@ -486,35 +367,6 @@ class Engine:
         return dict(temperature=np.float32(0.0 if greedy else req.temperature), top_k=np.int32(req.top_k),
                     top_p=np.float32(req.top_p), key_data=seed_words(job.seed), processed=np.bool_(req.logprobs_mode == "processed_logprobs"),
                     stop=set(int(t) for t in stop), stop_ids=stop_ids)
-
-    def reset_state(self) -> None:
-        """A fresh pool (after a failed step left a donated buffer unusable); cached prefixes dropped."""
-        self._init_state()
-        self.pool.reset(self.weight_version)
-
-
-def generate_all(requests: Sequence[GenerateRequest], validate, submit) -> list[GenerateOutput]:
-    """``generate`` of an engine or a group of engines: every request checked by ``validate`` before
-    ``submit(requests)`` queues them (a list of futures back), then the outputs in request order; if
-    waiting is interrupted (or one fails), the others are cancelled."""
-    if isinstance(requests, GenerateRequest) or not isinstance(requests, Sequence):
-        raise FieldError("requests", type(requests).__name__, "a list of GenerateRequest",
-                         f"requests={type(requests).__name__}: expected a list of GenerateRequest")
-    for i, req in enumerate(requests):
-        if not isinstance(req, GenerateRequest):
-            raise FieldError(f"requests[{i}]", type(req).__name__, "a GenerateRequest",
-                             f"requests[{i}]={type(req).__name__}: expected a GenerateRequest")
-        try:
-            validate(req)
-        except FieldError as e:
-            raise e.within(f"requests[{i}]") from None
-    futures = submit(list(requests))
-    try:
-        return [f.result() for f in futures]
-    except BaseException:
-        for f in futures:
-            f.cancel()
-        raise
 
 
 def _check(name, value, lo):

@@ -30,9 +30,9 @@ import jax
 import numpy as np
 
 from r3jax.checks import FieldError, check_int
-from r3jax.engine.engine import Engine, generate_all
+from r3jax.engine.engine import Engine
 from r3jax.engine.errors import EngineFailedError
-from r3jax.engine.request import GenerateOutput, GenerateRequest
+from r3jax.engine.request import GenerateOutput, GenerateRequest, each_checked, generate_all
 from r3jax.engine.sharding import make_mesh
 
 AFFINITY_ENTRIES = 1 << 16  # page-prefix keys remembered for routing (oldest forgotten first)
@@ -132,23 +132,33 @@ class EngineGroup:
 
     def submit(self, request: GenerateRequest, on_token=None) -> concurrent.futures.Future:
         """:meth:`Engine.submit` on the core this request is routed to (module docstring)."""
-        prompt = self.cores[0]._validate(request)
-        if request.seed is None:
-            request = dataclasses.replace(request, seed=int(self._rng.integers(1 << 63)))
+        request, on_token, prompt = self._place(request, on_token)
         return self.cores[self._route(prompt)].submit(request, on_token)
 
     def submit_many(self, requests: Sequence[GenerateRequest], on_tokens=None) -> list[concurrent.futures.Future]:
-        """:meth:`Engine.submit_many` over the cores: all validated before any is queued, then each routed
-        as it is submitted (samples of one prompt follow its pages to one core)."""
-        on_tokens = [None] * len(requests) if on_tokens is None else list(on_tokens)
-        if len(on_tokens) != len(requests):
-            raise FieldError("on_tokens", len(on_tokens), f"one per request ({len(requests)})")
-        for i, req in enumerate(requests):
-            try:
-                self.cores[0]._validate(req)
-            except FieldError as e:
-                raise e.within(f"requests[{i}]") from None
-        return [self.submit(r, f) for r, f in zip(requests, on_tokens)]
+        """:meth:`Engine.submit_many` over the cores: all validated before any is queued, each routed
+        counting the load the batch's earlier requests add (samples of one prompt follow its pages to
+        one core), then each core's share queued together (admitted in one step)."""
+        placed = each_checked(requests, on_tokens, self._place)
+        added = [0] * len(self.cores)
+        share: dict[int, list[int]] = {}
+        for i, (_, _, prompt) in enumerate(placed):
+            core = self._route(prompt, added)
+            added[core] += 1
+            share.setdefault(core, []).append(i)
+        futures: list = [None] * len(placed)
+        for core, idx in share.items():
+            got = self.cores[core].submit_many([placed[i][0] for i in idx], [placed[i][1] for i in idx])
+            for i, f in zip(idx, got):
+                futures[i] = f
+        return futures
+
+    def _place(self, request: GenerateRequest, on_token):
+        """Validated, with a seed drawn by the group when it has none (the same on whichever core)."""
+        prompt = self.cores[0]._validate(request)
+        if request.seed is None:
+            request = dataclasses.replace(request, seed=int(self._rng.integers(1 << 63)))
+        return request, on_token, prompt
 
     async def submit_async(self, request: GenerateRequest) -> GenerateOutput:
         return await asyncio.wrap_future(self.submit(request))
@@ -197,9 +207,13 @@ class EngineGroup:
             out.append(parent)
         return out
 
-    def _route(self, prompt: np.ndarray) -> int:
+    def _route(self, prompt: np.ndarray, added: Sequence[int] = ()) -> int:
+        """The core for ``prompt``; ``added``: requests per core routed earlier in the same batch (not
+        yet queued, so not yet in the cores' loads)."""
         keys = self._keys(prompt)
-        loads = [np.inf if core.failure is not None else core._sched.live + core._sched.queued for core in self.cores]
+        added = list(added) or [0] * len(self.cores)
+        loads = [np.inf if core.failure is not None else core._sched.live + core._sched.queued + extra
+                 for core, extra in zip(self.cores, added)]
         if all(np.isinf(loads)):
             return 0  # every core failed: its submit raises EngineFailedError
         with self._lock:

@@ -1,4 +1,5 @@
-"""What a caller asks the engine for and what it gets back, plus the host-side validation of a request.
+"""What a caller asks the engine for and what it gets back, plus the host-side validation of a request
+(and of a batch of them, before any is queued).
 
 Validation runs on the host before anything is compiled or run; every error is a
 :class:`r3jax.checks.FieldError` (a ValueError carrying ``field``/``value``/``expected`` as data) built by
@@ -150,3 +151,42 @@ def _token_array(name, value, vocab_size) -> np.ndarray:
         i = int(bad[0])
         raise FieldError(f"{name}[{i}]", int(arr[i]), f"token ids in [0, vocab_size={vocab_size})")
     return arr.astype(np.int32)
+
+
+def each_checked(requests: Sequence[GenerateRequest], on_tokens, check) -> list:
+    """``check(request, on_token)`` of every request, in order, before anything is queued; a FieldError
+    names ``requests[i].field``. ``on_tokens``: None or one callback (or None) per request."""
+    on_tokens = [None] * len(requests) if on_tokens is None else list(on_tokens)
+    if len(on_tokens) != len(requests):
+        raise FieldError("on_tokens", len(on_tokens), f"one per request ({len(requests)})")
+    out = []
+    for i, (req, on_token) in enumerate(zip(requests, on_tokens)):
+        try:
+            out.append(check(req, on_token))
+        except FieldError as e:
+            raise e.within(f"requests[{i}]") from None
+    return out
+
+
+def generate_all(requests: Sequence[GenerateRequest], validate, submit) -> list[GenerateOutput]:
+    """``generate`` of an engine or a group of engines: every request checked by ``validate`` before
+    ``submit(requests)`` queues them (a list of futures back), then the outputs in request order; if
+    waiting is interrupted (or one fails), the others are cancelled."""
+    if isinstance(requests, GenerateRequest) or not isinstance(requests, Sequence):
+        raise FieldError("requests", type(requests).__name__, "a list of GenerateRequest",
+                         f"requests={type(requests).__name__}: expected a list of GenerateRequest")
+    for i, req in enumerate(requests):
+        if not isinstance(req, GenerateRequest):
+            raise FieldError(f"requests[{i}]", type(req).__name__, "a GenerateRequest",
+                             f"requests[{i}]={type(req).__name__}: expected a GenerateRequest")
+        try:
+            validate(req)
+        except FieldError as e:
+            raise e.within(f"requests[{i}]") from None
+    futures = submit(list(requests))
+    try:
+        return [f.result() for f in futures]
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        raise

@@ -88,8 +88,13 @@ class EngineBridge:
         await. Refusals as :meth:`submit`."""
         many = getattr(self.engine, "submit_many", None)
         if many is None or self._submit == self._generate_one:
-            return list(await asyncio.gather(*(self.submit(r, f) for r, f in zip(requests, on_tokens or
-                                                                               [None] * len(requests)))))
+            tasks = [asyncio.ensure_future(self.submit(r, f))
+                     for r, f in zip(requests, on_tokens or [None] * len(requests))]
+            try:
+                return list(await asyncio.gather(*tasks))
+            finally:
+                for t in tasks:
+                    t.cancel()  # a no-op on those done; gather alone leaves the others running on an error
         if self._closing:
             raise ShuttingDown("server shutting down; request not started")
         if self.queued >= self.max_queue:

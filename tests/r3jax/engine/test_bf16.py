@@ -58,7 +58,7 @@ def test_no_step_converts_the_pool_and_bf16_moves_no_more_bytes_than_fp32(engine
 def test_bit_storage_changes_no_bf16_output(tiny_model, engines, make_engine, monkeypatch):
     """A pool stored as bf16 itself (what ran before) gives the same greedy tokens, logprobs and route
     rows as the uint16 bit pool, on a fixed prompt set."""
-    import r3jax.engine.engine as engine_module
+    import r3jax.engine.device as engine_module  # where the engine builds its pool
 
     init = PagedCache.init_pool
 

@@ -84,6 +84,15 @@ def test_a_prompts_samples_and_its_next_turn_go_to_one_core(engine, group):
     _same(engine.generate([turn2])[0], out)
 
 
+def test_a_batch_is_split_by_the_load_it_adds(group):
+    group.generate([GenerateRequest(prompt_ids=[1], max_tokens=1)])  # both cores idle after this
+    before = group.stats["routed"]
+    reqs = [GenerateRequest(prompt_ids=[i + 1, 2, 3], max_tokens=2, temperature=0.0) for i in range(8)]
+    futures = group.submit_many(reqs)
+    assert [f.result(timeout=60).output_ids for f in futures] == [o.output_ids for o in group.generate(reqs)]
+    assert np.subtract(group.stats["routed"], before).tolist() == [8, 8]  # 4 + 4 of each batch
+
+
 def test_affinity_yields_to_a_much_less_loaded_core():
     g = EngineGroup.__new__(EngineGroup)  # routing alone: stand-in cores with set loads
     cores = [_StandIn(live=0), _StandIn(live=9)]
@@ -95,6 +104,8 @@ def test_affinity_yields_to_a_much_less_loaded_core():
     cores[1].live = 4
     g._affinity.update({k: 1 for k in g._keys(prompt)})
     assert g._route(prompt) == 1 and g._affine == 1
+    assert g._route(prompt, added=[0, 1]) == 0  # a batch's own earlier requests count: 5 > 0 + 4
+    assert g._route(np.arange(3, dtype=np.int32), added=[5, 0]) == 1  # no page key: the least loaded
     cores[1].failure = "failed"
     assert g._route(prompt) == 0  # a failed core gets nothing
     cores[0].failure = "failed too"
