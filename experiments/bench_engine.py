@@ -12,8 +12,11 @@
    every turn draws its length from a long-tailed mix (``TURN_GEN`` with probabilities ``TURN_P``),
    together and each kind alone. Figures:
    wall seconds, generated tokens/s, continuous ÷ static on the whole mix, mix ÷ the long sessions alone
-   (how much the other agents slow the long sessions down), and each kind's mean completion in the mix
-   against the other kind's and against its own alone (how much the other kind slows it down).
+   (how much the other agents slow the long sessions down), each kind's mean completion in the mix
+   against the other kind's and against its own alone (how much the other kind slows it down), and the
+   mix's sessions ranked by the tokens they generated, whatever their kind: the mean completion of the
+   quarter that generated fewest ÷ that of the quarter that generated most (do short sessions finish
+   first?).
 2. **32 concurrent ÷ 1** (in process, warm): wall time of 32 requests submitted at once ÷ one request
    alone (20-token prompt, 64 new tokens).
 3. **Time to first token** under that load (submit -> first token sampled at admission), p50 / p99.
@@ -122,9 +125,12 @@ async def run_agents(url: str, kinds: list[tuple[int, int, int]]) -> dict:
         jobs, seed, done = [], 0, {}
         t0 = time.perf_counter()
 
+        sessions = []
+
         async def timed(kind, job):
             n = await job
             done.setdefault(kind, []).append(time.perf_counter() - t0)
+            sessions.append((n, done[kind][-1]))
             return n
 
         for kind, (count, turns, gen) in enumerate(kinds):
@@ -134,8 +140,15 @@ async def run_agents(url: str, kinds: list[tuple[int, int, int]]) -> dict:
         tokens = sum(await asyncio.gather(*jobs))
         wall = time.perf_counter() - t0
     # mean seconds from the start to each agent's last answer, per kind (kinds[0] first)
+    # sessions by the tokens they generated, whatever their kind: the quarter that generated fewest
+    # against the quarter that generated most (ties in token count split by order of completion)
+    by_len = sorted(sessions)
+    q = max(1, len(by_len) // 4)
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
-            "completion_s": [float(np.mean(done[k])) for k in range(len(kinds))]}
+            "completion_s": [float(np.mean(done[k])) for k in range(len(kinds))],
+            "sessions": [[int(n), float(c)] for n, c in by_len],
+            "short_quarter_over_long_quarter": float(np.mean([c for _, c in by_len[:q]]) /
+                                                     np.mean([c for _, c in by_len[-q:]]))}
 
 
 MODES = (("continuous", ()), ("static", ("--static",)), ("one_step", ("--decode-steps", "1")),
@@ -179,6 +192,7 @@ def bench_agents(quick: bool) -> tuple[list[dict], dict]:
         summary[f"long_in_mix_over_alone_{m}"] = long_s / get(m, "long only")["completion_s"][0]
         summary[f"short_in_mix_over_alone_{m}"] = short_s / get(m, "mixed only")["completion_s"][0]
         summary[f"mix_long_s_{m}"], summary[f"mix_short_s_{m}"] = long_s, short_s
+        summary[f"mix_short_quarter_over_long_quarter_{m}"] = get(m, "mix")["short_quarter_over_long_quarter"]
     return rows, {**summary, "warmup": warm}
 
 
@@ -312,7 +326,8 @@ def main():
         print(f"{m}: mixed agents / long sessions completion in the mix {agents[f'mix_short_over_long_{m}']:.2f} "
               f"(goal <= 0.5; {agents[f'mix_short_s_{m}']:.2f} s / {agents[f'mix_long_s_{m}']:.2f} s); in the mix / "
               f"alone: long sessions {agents[f'long_in_mix_over_alone_{m}']:.2f} (goal <= 2), mixed agents "
-              f"{agents[f'short_in_mix_over_alone_{m}']:.2f}")
+              f"{agents[f'short_in_mix_over_alone_{m}']:.2f}; sessions of the mix by tokens generated, the "
+              f"shortest quarter / the longest quarter: {agents[f'mix_short_quarter_over_long_quarter_{m}']:.2f}")
     for mode, w in agents["warmup"].items():
         print(f"{mode} server: {w.get('programs')} programs, warm-up {w.get('seconds', 0):.1f} s, ready after "
               f"{w['ready_s']:.1f} s, compiled after warm-up: {w.get('compiled_after_warmup')}")

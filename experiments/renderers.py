@@ -179,6 +179,10 @@ def bench_engine(d: dict) -> str:
     a = d.get("agents_summary", {})
     prefix = "mix_short_over_long_"  # one per server mode the run had (bench_engine.MODES), in its order
     for m in reversed([k[len(prefix):] for k in a if k.startswith(prefix)]):
+        quarter = a.get(f"mix_short_quarter_over_long_quarter_{m}")
+        if quarter is not None:
+            facts.insert(0, {"measure": f"{m}: sessions of the mix by tokens generated, shortest quarter ÷ longest "
+                                        "quarter, completion", "value": quarter})
         alone = a.get(f"short_in_mix_over_alone_{m}")
         facts.insert(0, {"measure": f"{m}: mixed agents ÷ long sessions, completion in the mix (goal ≤ 0.5) / "
                                     "long sessions in the mix ÷ alone (goal ≤ 2)"
