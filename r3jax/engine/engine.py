@@ -83,6 +83,11 @@ class Engine(DeviceSide):
         per-call cost is paid once per ``decode_steps`` tokens of every request. A prompt that arrives
         meanwhile waits for the call to end; calls with prefill rows decode one step. A loop ends early
         when every row has stopped or run its budget.
+      return_at_finish: a decode loop call runs only as many steps as the request nearest its
+        max_tokens has left (default True), so that request's answer returns at once instead of after
+        the call's other steps (a multi-turn agent's next turn starts sooner); the others go on in the
+        next call. Tokens are the same either way; with every request of a batch at one max_tokens
+        (an RL step) no call is shortened.
       dtype: compute dtype override (e.g. bf16 rollouts of an fp32 model); None keeps the model's.
       moe_impl: expert kernel; None picks "gather" on CPU and keeps the model's elsewhere.
       logits_dot_in_fp32: the LM head in fp32 (``MoeConfig.logits_dot_in_fp32``) whatever the compute dtype,
@@ -104,7 +109,7 @@ class Engine(DeviceSide):
                  prefix_cache_bytes: int = 64 << 20, block_size: int = 16, prefill_chunk: int = 64,
                  prefill_rows: int | None = None, max_num_batched_tokens: int | None = None, decode_buckets: int = 3,
                  mixed_decode_buckets: int = 1,
-                 decode_steps: int = 8, dtype=None, moe_impl: str | None = None, router_noise: float | None = None,
+                 decode_steps: int = 8, return_at_finish: bool = True, dtype=None, moe_impl: str | None = None, router_noise: float | None = None,
                  logits_dot_in_fp32: bool | None = None,
                  max_stop_tokens: int = 64, mesh=None, static: bool = False,
                  seed: int | None = None, allow_replication: bool = False, program_cache: str | None = None):
@@ -144,7 +149,7 @@ class Engine(DeviceSide):
         self.config = cfg
         self.max_seq_len, self.max_batch_size, self.block_size = max_seq_len, max_batch_size, block_size
         self.prefill_chunk, self.prefill_rows, self.max_stop_tokens = prefill_chunk, prefill_rows, max_stop_tokens
-        self.decode_steps = decode_steps
+        self.decode_steps, self.return_at_finish = decode_steps, bool(return_at_finish)
         self.max_num_batched_tokens = max_batch_size + prefill_rows * prefill_chunk
         self.static = bool(static)
         self.route_dtype = route_dtype(cfg.num_experts)

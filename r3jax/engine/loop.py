@@ -221,10 +221,12 @@ class Loop(Admission):
         ready = sum(-(-(len(s.feed) - s.computed) // eng.prefill_chunk) for s in prefilling)
         chunks = choose_chunks(prefilling, eng.prefill_rows_for(ready, len(prefilling)), eng.prefill_chunk)
         lay = eng.layout(len(decoding), len(chunks))
-        steps = eng.steps_of(lay)
-        if not self._grow(decoding, steps):
+        steps = cap = eng.steps_of(lay)
+        if steps > 1 and eng.return_at_finish:  # the call ends where its first request reaches max_tokens
+            cap = max(1, min(steps, *(s.max_new - s.planned for s in decoding)))
+        if not self._grow(decoding, cap):
             return False
-        x, rows = build(eng.pool, decoding, chunks, lay, slots=eng.max_batch_size, steps=steps)
+        x, rows = build(eng.pool, decoding, chunks, lay, slots=eng.max_batch_size, steps=steps, cap=cap)
         self.mixed_last = bool(chunks)
         for row in rows[len(decoding):]:  # prompt pages this step completes: indexed now, rows when they arrive
             if row.seq.job.version == eng.weight_version:  # KV of one version only (weights kept mid-request)

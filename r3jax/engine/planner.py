@@ -127,13 +127,14 @@ def choose_chunks(prefilling: list[Seq], rows: int, prefill_len: int) -> list[tu
 
 
 def build(pool: PagePool, decoding: list[Seq], chunks: list[tuple[Seq, int, int]], layout: RaggedLayout, *,
-          slots: int, steps: int = 1) -> tuple[dict[str, np.ndarray], list[RowPlan]]:
+          slots: int, steps: int = 1, cap: int | None = None) -> tuple[dict[str, np.ndarray], list[RowPlan]]:
     """The step's :class:`StepInputs` arrays (as numpy) and its rows. Takes pages from the requests'
     reservations and advances ``computed`` / ``planned`` (the step is about to be dispatched).
 
     ``steps`` > 1 (no chunks): a decode loop of that many steps; each decode row feeds the positions
     ``[lo, hi)`` (its budget, ``hi - lo`` <= steps: fewer where max_tokens comes first), its table holds
-    the pages of all of them, and ``planned`` advances by the budget."""
+    the pages of all of them, and ``planned`` advances by the budget. ``cap``: most steps any row's
+    budget takes (the call then ends sooner), default ``steps``."""
     if steps > 1 and chunks:
         raise RuntimeError(f"a {steps}-step decode loop has no prefill rows: {len(chunks)} chunks given")
     n, r, pmax, d = layout.tokens, layout.rows, layout.pages_per_row, layout.decode_rows
@@ -155,7 +156,7 @@ def build(pool: PagePool, decoding: list[Seq], chunks: list[tuple[Seq, int, int]
         raise RuntimeError(f"{len(decoding)} decode rows and {len(chunks)} chunks do not fit {layout}")
     for i, seq in enumerate(decoding):
         pos = seq.prompt_len + seq.planned - 1  # feeds output token planned-1 (on device in last[slot])
-        budget = min(steps, seq.max_new - seq.planned)
+        budget = min(steps if cap is None else cap, seq.max_new - seq.planned)
         _page_at(pool, seq, pos + budget - 1)  # every page the call may write
         page, off = _page_at(pool, seq, pos)
         x["from_slot"][i], x["positions"][i], x["page"][i], x["offset"][i] = seq.slot, pos, page, off

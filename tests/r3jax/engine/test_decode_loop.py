@@ -77,3 +77,22 @@ def test_decode_steps_is_checked(tiny_model):
     with pytest.raises(FieldError, match="decode_steps") as e:
         Engine(tiny_model, max_seq_len=64, max_batch_size=2, decode_steps=0)
     assert e.value.field == "decode_steps" and e.value.value == 0
+
+
+@pytest.mark.parametrize("at_finish", [True, False])
+def test_a_request_returns_when_it_finishes_not_at_the_end_of_the_call(tiny_model, make_engine, engine, looped,
+                                                                      at_finish):
+    """A long request (submitted first: its row is read first) and a short one together: with
+    return_at_finish the call that finishes the short one runs only its last steps, so the short answer
+    is out when the long request has as many tokens as it (3); without, the call runs its STEPS."""
+    eng = looped if at_finish else make_engine(tiny_model, decode_steps=STEPS, return_at_finish=False)
+    rng = np.random.default_rng(9)
+    long_req, short_req = (GenerateRequest(prompt_ids=rng.integers(0, V, 6).tolist(), max_tokens=n, temperature=0.0,
+                                           return_routed_experts=True) for n in (20, 3))
+    seen = []
+    futures = eng.submit_many([long_req, short_req], on_tokens=[lambda t, lp: seen.append(t), None])
+    at_short = []
+    futures[1].add_done_callback(lambda f: at_short.append(len(seen)))
+    got = [f.result(timeout=60) for f in futures]
+    assert at_short == [3 if at_finish else 1 + STEPS]
+    _assert_same(got, engine.generate([long_req, short_req]))
