@@ -86,8 +86,9 @@ class Engine(DeviceSide):
       return_at_finish: a decode loop call runs only as many steps as the request nearest its
         max_tokens has left (default True), so that request's answer returns at once instead of after
         the call's other steps (a multi-turn agent's next turn starts sooner); the others go on in the
-        next call. Tokens are the same either way; with every request of a batch at one max_tokens
-        (an RL step) no call is shortened.
+        next call. Tokens are the same either way. A batch at one max_tokens (an RL step) prefilled
+        over several steps finishes a step apart per prefill step, so it takes up to one more call
+        per further prefill step.
       dtype: compute dtype override (e.g. bf16 rollouts of an fp32 model); None keeps the model's.
       moe_impl: expert kernel; None picks "gather" on CPU and keeps the model's elsewhere.
       logits_dot_in_fp32: the LM head in fp32 (``MoeConfig.logits_dot_in_fp32``) whatever the compute dtype,
