@@ -124,8 +124,7 @@ async def run_agents(url: str, kinds: list[tuple[int, int, int]]) -> dict:
     async with httpx.AsyncClient(limits=limits) as client:
         jobs, seed, done = [], 0, {}
         t0 = time.perf_counter()
-
-        sessions = []
+        sessions = []  # (tokens generated, completion seconds) of each session
 
         async def timed(kind, job):
             n = await job
@@ -139,11 +138,11 @@ async def run_agents(url: str, kinds: list[tuple[int, int, int]]) -> dict:
                 seed += 1
         tokens = sum(await asyncio.gather(*jobs))
         wall = time.perf_counter() - t0
-    # mean seconds from the start to each agent's last answer, per kind (kinds[0] first)
     # sessions by the tokens they generated, whatever their kind: the quarter that generated fewest
     # against the quarter that generated most (ties in token count split by order of completion)
     by_len = sorted(sessions)
     q = max(1, len(by_len) // 4)
+    # completion_s: mean seconds from the start to each agent's last answer, per kind (kinds[0] first)
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
             "completion_s": [float(np.mean(done[k])) for k in range(len(kinds))],
             "sessions": [[int(n), float(c)] for n, c in by_len],
