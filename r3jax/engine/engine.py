@@ -83,12 +83,13 @@ class Engine(DeviceSide):
         per-call cost is paid once per ``decode_steps`` tokens of every request. A prompt that arrives
         meanwhile waits for the call to end; calls with prefill rows decode one step. A loop ends early
         when every row has stopped or run its budget.
-      return_at_finish: a decode loop call runs only as many steps as the request nearest its
-        max_tokens has left (default True), so that request's answer returns at once instead of after
-        the call's other steps (a multi-turn agent's next turn starts sooner); the others go on in the
-        next call. Tokens are the same either way. A batch at one max_tokens (an RL step) prefilled
-        over several steps finishes a step apart per prefill step, so it takes up to one more call
-        per further prefill step.
+      return_at_finish: a decode loop call ends where its first caller has all it waits for (default
+        True): a request submitted alone when it reaches its max_tokens, a :meth:`submit_many` batch
+        (``generate``, a server request's n samples) when its last request does. That answer returns at
+        once instead of after the call's other steps (a multi-turn agent's next turn starts sooner);
+        the others go on in the next call. Tokens are the same either way. A batch is not cut at its
+        first request: its caller would gain nothing, and a batch prefilled over several steps (an RL
+        step's), whose requests finish a step apart per prefill step, would pay one more call per step.
       dtype: compute dtype override (e.g. bf16 rollouts of an fp32 model); None keeps the model's.
       moe_impl: expert kernel; None picks "gather" on CPU and keeps the model's elsewhere.
       logits_dot_in_fp32: the LM head in fp32 (``MoeConfig.logits_dot_in_fp32``) whatever the compute dtype,
@@ -266,8 +267,8 @@ class Engine(DeviceSide):
     def submit_many(self, requests: Sequence[GenerateRequest], on_tokens=None) -> list[concurrent.futures.Future]:
         """:meth:`submit` of several requests at once: all are validated before any is queued (FieldError
         naming ``requests[i].field``), then queued together, so the scheduler admits them in one step as
-        the pool and batch allow (a group of samples of one prompt prefills it once). ``on_tokens``: one
-        callback (or None) per request."""
+        the pool and batch allow (a group of samples of one prompt prefills it once). Its caller is taken
+        to wait for all of them (``return_at_finish``). ``on_tokens``: one callback (or None) per request."""
         return self._sched.submit(*each_checked(requests, on_tokens, self._job))
 
     def _job(self, request: GenerateRequest, on_token=None):

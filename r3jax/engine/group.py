@@ -138,7 +138,9 @@ class EngineGroup:
     def submit_many(self, requests: Sequence[GenerateRequest], on_tokens=None) -> list[concurrent.futures.Future]:
         """:meth:`Engine.submit_many` over the cores: all validated before any is queued, each routed
         counting the load the batch's earlier requests add (samples of one prompt follow its pages to
-        one core), then each core's share queued together (admitted in one step)."""
+        one core), then each core's share queued together (admitted in one step). When a core refuses
+        its share (it failed or closed since routing), the shares already queued are cancelled and its
+        error raised: none of the batch runs."""
         placed = each_checked(requests, on_tokens, self._place)
         added = [0] * len(self.cores)
         share: dict[int, list[int]] = {}
@@ -147,10 +149,19 @@ class EngineGroup:
             added[core] += 1
             share.setdefault(core, []).append(i)
         futures: list = [None] * len(placed)
-        for core, idx in share.items():
-            got = self.cores[core].submit_many([placed[i][0] for i in idx], [placed[i][1] for i in idx])
-            for i, f in zip(idx, got):
-                futures[i] = f
+        try:
+            for core, idx in share.items():
+                got = self.cores[core].submit_many([placed[i][0] for i in idx], [placed[i][1] for i in idx])
+                for i, f in zip(idx, got):
+                    futures[i] = f
+        except BaseException:  # a core that failed or closed since routing: all or none of the batch runs
+            for f in futures:
+                if f is not None:
+                    f.cancel()
+            with self._lock:
+                for core, idx in share.items():
+                    self._routed[core] -= len(idx)
+            raise
         return futures
 
     def _place(self, request: GenerateRequest, on_token):

@@ -60,6 +60,7 @@ class Job:
     resume: Any = None  # (tokens, logprobs, routes) kept when it was preempted; None before
     on_token: Any = None  # on_token(token, logprob | None) as each token arrives (Engine.submit)
     versions: list = dataclasses.field(default_factory=list)  # [(first token index, weight version)] spans
+    batch: tuple = ()  # the jobs of its submit_many (more than one): their caller waits for all of them
 
 
 @dataclasses.dataclass(eq=False)
@@ -106,6 +107,9 @@ class Loop(Admission):
     # ---- any thread --------------------------------------------------------------------------------
     def submit(self, *jobs: Job) -> list[concurrent.futures.Future]:
         """Queue ``jobs`` together: the scheduler sees all of them or none at its next admission."""
+        if len(jobs) > 1:
+            for job in jobs:
+                job.batch = jobs
         with self.cond:
             self._check_open("request not started")
             self.waiting.extend(jobs)
@@ -222,8 +226,8 @@ class Loop(Admission):
         chunks = choose_chunks(prefilling, eng.prefill_rows_for(ready, len(prefilling)), eng.prefill_chunk)
         lay = eng.layout(len(decoding), len(chunks))
         steps = cap = eng.steps_of(lay)
-        if steps > 1 and eng.return_at_finish:  # the call ends where its first request reaches max_tokens
-            cap = max(1, min(steps, *(s.max_new - s.planned for s in decoding)))
+        if steps > 1 and eng.return_at_finish:  # the call ends where its first caller gets all it waits for
+            cap = max(1, min(steps, _first_return(decoding)))
         if not self._grow(decoding, cap):
             return False
         x, rows = build(eng.pool, decoding, chunks, lay, slots=eng.max_batch_size, steps=steps, cap=cap)
@@ -414,6 +418,22 @@ class Loop(Admission):
             _settle(job.future, error=err)
         for op in controls:
             _settle(op.future, error=op_err)
+
+
+def _first_return(decoding: list[Seq]) -> int:
+    """Decode steps until a caller has every answer it waits for, by max_tokens: a request submitted
+    alone when it reaches its own, a submit_many batch when the last of its requests reaches theirs.
+    Ending a call at a batch's first request would return nothing sooner (its caller waits for the
+    rest) and cost a batch prefilled over several steps one more call per further step. A batch with
+    a request not decoding yet (waiting, prefilling, preempted) returns after this call anyway."""
+    groups: dict[int, list] = {}  # id(batch) -> [batch, its requests decoding, most steps one has left]
+    for s in decoding:
+        batch = s.job.batch or (s.job,)
+        g = groups.setdefault(id(batch), [batch, 0, 0])
+        g[1] += 1
+        g[2] = max(g[2], s.max_new - s.planned)
+    ends = [most for batch, n, most in groups.values() if n == sum(not j.future.done() for j in batch)]
+    return min(ends, default=1 << 30)
 
 
 class _CannotContinue(RuntimeError):

@@ -19,6 +19,12 @@ def looped(tiny_model, make_engine):
 
 
 @pytest.fixture(scope="module")
+def plain(tiny_model, make_engine):
+    """The loop without return_at_finish."""
+    return make_engine(tiny_model, decode_steps=STEPS, return_at_finish=False)
+
+
+@pytest.fixture(scope="module")
 def engine(tiny_model, make_engine):
     """One decode step per call (overrides the shared engine in this file)."""
     return make_engine(tiny_model, decode_steps=1)
@@ -79,20 +85,41 @@ def test_decode_steps_is_checked(tiny_model):
     assert e.value.field == "decode_steps" and e.value.value == 0
 
 
-@pytest.mark.parametrize("at_finish", [True, False])
-def test_a_request_returns_when_it_finishes_not_at_the_end_of_the_call(tiny_model, make_engine, engine, looped,
-                                                                      at_finish):
-    """A long request (submitted first: its row is read first) and a short one together: with
+@pytest.mark.parametrize("at_finish, together", [(True, False), (False, False), (True, True)])
+def test_a_request_returns_when_it_finishes_not_at_the_end_of_the_call(engine, looped, plain, at_finish, together):
+    """A long request (queued first: its row is read first) and a short one, admitted in one step: with
     return_at_finish the call that finishes the short one runs only its last steps, so the short answer
-    is out when the long request has as many tokens as it (3); without, the call runs its STEPS."""
-    eng = looped if at_finish else make_engine(tiny_model, decode_steps=STEPS, return_at_finish=False)
+    is out when the long request has as many tokens as it (3); without, the call runs its STEPS. Queued
+    by one submit_many, their caller waits for both, so the call is not cut at the short one."""
+    eng = looped if at_finish else plain
     rng = np.random.default_rng(9)
     long_req, short_req = (GenerateRequest(prompt_ids=rng.integers(0, V, 6).tolist(), max_tokens=n, temperature=0.0,
                                            return_routed_experts=True) for n in (20, 3))
     seen = []
-    futures = eng.submit_many([long_req, short_req], on_tokens=[lambda t, lp: seen.append(t), None])
+    on_long = lambda t, lp: seen.append(t)  # noqa: E731
+    if together:
+        futures = eng.submit_many([long_req, short_req], on_tokens=[on_long, None])
+    else:  # two submits queued from the scheduler thread itself, so that its next turn admits both
+        futures = eng._sched.control(lambda: [eng.submit(long_req, on_long), eng.submit(short_req)],
+                                     drain=False, abort=None)
     at_short = []
     futures[1].add_done_callback(lambda f: at_short.append(len(seen)))
     got = [f.result(timeout=60) for f in futures]
-    assert at_short == [3 if at_finish else 1 + STEPS]
+    assert at_short == [3 if at_finish and not together else 1 + STEPS]
     _assert_same(got, engine.generate([long_req, short_req]))
+
+
+def test_a_batch_prefilled_over_several_steps_takes_no_more_calls_for_returning_at_finish(looped, plain):
+    """RL's case: more prompts than a step prefills, one max_tokens. The batch's requests finish a step
+    apart per prefill step; its caller waits for all, so return_at_finish cuts no call short for the
+    first ones, and the batch takes the calls it takes without it, with the same tokens."""
+    rng = np.random.default_rng(3)
+    reqs = [GenerateRequest(prompt_ids=rng.integers(0, V, 30).tolist(), max_tokens=13, temperature=0.0,
+                            return_routed_experts=True) for _ in range(looped.max_batch_size)]
+    calls, outs = [], []
+    for eng in (looped, plain):
+        before = eng.stats["steps"]
+        outs.append(eng.generate(reqs))
+        calls.append(eng.stats["steps"] - before)
+    _assert_same(*outs)
+    assert calls[0] == calls[1]

@@ -8,7 +8,7 @@ from flax import nnx
 
 from models import MoeConfig, MoeTransformer
 from r3jax.checks import FieldError
-from r3jax.engine import GenerateRequest
+from r3jax.engine import EngineFailedError, GenerateRequest
 from r3jax.engine.group import EngineGroup
 
 from .conftest import ENGINE_KW
@@ -91,6 +91,28 @@ def test_a_batch_is_split_by_the_load_it_adds(group):
     futures = group.submit_many(reqs)
     assert [f.result(timeout=60).output_ids for f in futures] == [o.output_ids for o in group.generate(reqs)]
     assert np.subtract(group.stats["routed"], before).tolist() == [8, 8]  # 4 + 4 of each batch
+
+
+def test_a_batch_a_core_refuses_runs_nowhere(group, monkeypatch):
+    """A core that fails between routing and queuing: the shares the other cores queued are cancelled
+    (none of the batch runs) and the core's error is raised."""
+    group.generate([GenerateRequest(prompt_ids=[1], max_tokens=1)])  # both cores idle: the batch goes to both
+    queued = []
+    first = group.cores[0].submit_many
+    monkeypatch.setattr(group.cores[0], "submit_many", lambda *a: queued.extend(first(*a)) or queued)
+
+    def refuse(*a):
+        raise EngineFailedError("a stand-in failure")
+
+    monkeypatch.setattr(group.cores[1], "submit_many", refuse)
+    reqs = [GenerateRequest(prompt_ids=[i + 1, 2, 3], max_tokens=30, temperature=0.0) for i in range(4)]
+    routed = group.stats["routed"]
+    with pytest.raises(EngineFailedError, match="a stand-in failure"):
+        group.submit_many(reqs)
+    assert len(queued) == 2 and all(f.cancelled() for f in queued)
+    assert group.stats["routed"] == routed  # routed: requests sent to a core that ran them
+    monkeypatch.undo()
+    assert [o.output_ids for o in group.generate(reqs[:1])] == [o.output_ids for o in group.generate(reqs[:1])]
 
 
 def test_affinity_yields_to_a_much_less_loaded_core():
