@@ -81,7 +81,8 @@ SECTIONS = [
             "most K versions old; R3 replays each route row from the version that produced it. samples/s: "
             "trajectories per second after step 1 (its compiles left out); version lag: trainer version minus "
             "the version that sampled each trained token. On 2 CPU cores the sampler and the trainer share "
-            "the cores, so the throughput gain is a lower bound. Comparisons: paired against `sync`, same arm.",
+            "the cores, so the throughput gain is a lower bound; in this run a third process (a TPU compile) "
+            "shared them throughout. Comparisons: paired against `sync`, same arm.",
             async_rl),
     Section("replay_rl", "Replay in RL: none, R2 and R3 with bf16 and int8 rollouts", "python -m experiments.replay_rl",
             "Seeds × {no replay, R2 (trainer routes), R3 (rollout routes)} × {bf16, int8 rollouts} from one "
